@@ -1,0 +1,25 @@
+"""Adapters injected into a frozen backbone through PEFT, and their flat state dicts."""
+
+from peradapt.adapters.model import (
+    ADAPTER_KINDS,
+    AdaptedModel,
+    AdapterState,
+    default_adapter_kind,
+    inject_adapters,
+)
+from peradapt.adapters.residual import RESIDUAL_INIT, ResidualAdapterLayer
+from peradapt.adapters.state import average_states, state_nbytes, state_to, state_to_cpu
+
+__all__ = [
+    "ADAPTER_KINDS",
+    "RESIDUAL_INIT",
+    "AdaptedModel",
+    "AdapterState",
+    "ResidualAdapterLayer",
+    "average_states",
+    "default_adapter_kind",
+    "inject_adapters",
+    "state_nbytes",
+    "state_to",
+    "state_to_cpu",
+]

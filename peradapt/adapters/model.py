@@ -1,0 +1,151 @@
+"""One frozen backbone with adapters injected through PEFT, shared by every client.
+
+A client's adapter is an `AdapterState`: a flat dict from the PEFT model's parameter/buffer names to tensors,
+holding the trainable parameters and the running statistics of the trainable BatchNorm layers. Switching
+clients copies such a dict into the shared model; the backbone is never copied.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from timm.models.resnet import BasicBlock
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from peradapt.adapters.residual import RESIDUAL_INIT
+from peradapt.backbones import classifier_name
+from peradapt.errors import ConfigError, WeightsError
+
+AdapterState = dict[str, torch.Tensor]
+ADAPTER_KINDS = ("residual", "lora")
+
+
+class AdaptedModel:
+    def __init__(self, peft_model: PeftModel, kind: str) -> None:
+        self.module = peft_model
+        self.kind = kind
+        self._parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._frozen_norms: list[nn.Module] = []
+        for module_name, module in peft_model.named_modules():
+            owns_trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+            if owns_trainable:
+                for buffer_name, buffer in module.named_buffers(recurse=False):
+                    self._buffers[f"{module_name}.{buffer_name}"] = buffer
+            elif isinstance(module, _BatchNorm):
+                self._frozen_norms.append(module)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._parameters.values())).device
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return self._parameters
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self._parameters.values())
+
+    def num_backbone(self) -> int:
+        """Parameters of the model a user would run without adapters (PEFT's saved copies excluded)."""
+        base = self.module.get_base_model()
+        return sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
+
+    def state(self) -> AdapterState:
+        tensors = {**self._parameters, **self._buffers}
+        return {name: tensor.detach().clone() for name, tensor in tensors.items()}
+
+    @torch.no_grad()
+    def load_state(self, state: AdapterState) -> None:
+        if state.keys() != self._parameters.keys() | self._buffers.keys():
+            unknown = sorted(state.keys() - self._parameters.keys() - self._buffers.keys())[:3]
+            raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
+        for name, parameter in self._parameters.items():
+            parameter.copy_(state[name])
+        for name, buffer in self._buffers.items():
+            buffer.copy_(state[name])
+
+    def train(self) -> None:
+        """Training mode for adapters and trainable norms; the frozen backbone's BatchNorm keeps its statistics."""
+        self.module.train()
+        for norm in self._frozen_norms:
+            norm.eval()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(inputs)
+
+    def save_pretrained(self, directory: Path, state: AdapterState) -> None:
+        """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained."""
+        self.load_state(state)
+        self.module.save_pretrained(str(directory))
+
+    def load_pretrained(self, directory: Path) -> AdapterState:
+        """The state of an adapter saved in PEFT layout (by `save_pretrained` or any PEFT code)."""
+        path = Path(directory) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise WeightsError(f"no adapter at {directory} (missing adapter_model.safetensors)")
+        try:
+            weights = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise WeightsError(f"cannot read adapter {path} ({exc})") from None
+        try:
+            result = set_peft_model_state_dict(self.module, weights)
+        except RuntimeError as exc:  # shape mismatches
+            raise WeightsError(f"adapter {path} does not fit this backbone: {str(exc).splitlines()[0]}") from None
+        missing = [k for k in result.missing_keys if k in self._parameters or k in self._buffers]
+        if result.unexpected_keys or missing:
+            example = (list(result.unexpected_keys) or missing)[:2]
+            raise WeightsError(f"adapter {path} does not fit this model (e.g. {example})")
+        return self.state()
+
+
+def inject_adapters(backbone: nn.Module, kind: str, *, dropout: float, lora_rank: int) -> AdaptedModel:
+    """Wrap a frozen backbone with PEFT adapters of `kind` (residual: PerAda's; lora: PEFT LoRA)."""
+    head = classifier_name(backbone)
+    block_convs = _basic_block_convs(backbone)
+    if kind == "residual":
+        if not block_convs:
+            raise ConfigError(
+                f"residual adapters need a basic-block ResNet (resnet18, resnet34, resnet10t, ...), "
+                f"not {type(backbone).__name__}: use --adapter lora"
+            )
+        config = LoraConfig(
+            target_modules=block_convs,
+            modules_to_save=["bn1", "bn2", head],
+            lora_dropout=dropout,
+            init_lora_weights=RESIDUAL_INIT,
+        )
+    elif kind == "lora":
+        targets = block_convs or [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+        targets = [t for t in targets if t != head]
+        config = LoraConfig(
+            target_modules=targets,
+            modules_to_save=[head],
+            r=lora_rank,
+            lora_alpha=lora_rank,
+            lora_dropout=dropout,
+        )
+    else:
+        raise ConfigError(f"unknown --adapter '{kind}': use one of {', '.join(ADAPTER_KINDS)}")
+    return AdaptedModel(get_peft_model(backbone, config), kind)
+
+
+def _basic_block_convs(backbone: nn.Module) -> list[str]:
+    """Names of conv1/conv2 of every basic block, where PerAda places its adapters."""
+    names = []
+    for name, module in backbone.named_modules():
+        if isinstance(module, BasicBlock):
+            names += [f"{name}.conv1", f"{name}.conv2"]
+    return names
+
+
+def default_adapter_kind(backbone_name: str) -> str:
+    return "residual" if re.match(r"resnet", backbone_name) else "lora"

@@ -1,0 +1,197 @@
+"""The `peradapt` command line: parses flags into configs and calls the library. No algorithm lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from peradapt.config import TrainConfig, read_config_file
+from peradapt.errors import PeradaptError
+
+app = typer.Typer(
+    help="Personalized federated learning with adapters (PerAda and friends) on frozen pretrained backbones.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+_DEFAULTS = TrainConfig().to_flat()
+
+
+def _default(key: str) -> str:
+    return f"[default: {_DEFAULTS[key]}]"
+
+
+Opt = typer.Option
+RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
+
+
+@app.command()
+def pretrain(
+    data: Annotated[str, Opt(help="Dataset whose labeled pretraining split trains the backbone.")] = "fmnist",
+    backbone: Annotated[str, Opt(help="timm model name, or a narrow ResNet such as resnet18_w16.")] = "resnet18",
+    epochs: Annotated[int, Opt(help="Passes over the pretraining split.")] = 5,
+    batch_size: Annotated[int, Opt(help="Minibatch size.")] = 128,
+    lr: Annotated[float, Opt(help="Peak learning rate (SGD, one-cycle schedule).")] = 0.05,
+    limit_samples: Annotated[int | None, Opt(help="Use at most this many images (smoke runs).")] = None,
+    data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
+    download: Annotated[bool, Opt(help="Download the dataset if missing (needs a network).")] = False,
+    out: Annotated[Path | None, Opt(help="Weights file to write [default: the store `train` looks in].")] = None,
+    seed: Annotated[int, Opt(help="Random seed.")] = 0,
+    device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Make a backbone offline by training it on a labeled split the clients never see (stands in for ImageNet)."""
+    from peradapt.pretrain import PretrainConfig, pretrain as run_pretrain
+
+    config = PretrainConfig(
+        data=data,
+        backbone=backbone,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        limit_samples=limit_samples,
+        data_dir=str(data_dir) if data_dir else None,
+        download=download,
+        out=str(out) if out else None,
+        seed=seed,
+        device=device,
+    )
+    path, accuracy = run_pretrain(config, err_console)
+    out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)")
+
+
+@app.command()
+def train(
+    data: Annotated[str | None, Opt(help=f"Dataset: fmnist, cifar10, cifar100. {_default('data')}")] = None,
+    clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
+    method: Annotated[str | None, Opt(help=f"perada or perada-nokd. {_default('method')}")] = None,
+    backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
+    weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) [default: from `pretrain`].")] = None,
+    adapter: Annotated[str | None, Opt(help="residual (PerAda's, default for ResNets) or lora.")] = None,
+    adapter_dropout: Annotated[float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")] = None,
+    lora_rank: Annotated[int | None, Opt(help=f"LoRA rank for --adapter lora. {_default('lora_rank')}")] = None,
+    partition: Annotated[str | None, Opt(help=f"dir:ALPHA, iid or classes:K. {_default('partition')}")] = None,
+    rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,
+    clients_per_round: Annotated[int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")] = None,
+    local_epochs: Annotated[int | None, Opt(help=f"Epochs E on the local adapter. {_default('local_epochs')}")] = None,
+    personal_epochs: Annotated[
+        int | None, Opt(help=f"Epochs S on the personalized adapter. {_default('personal_epochs')}")
+    ] = None,
+    lam: Annotated[float | None, Opt(help=f"Proximal strength λ towards the global adapter. {_default('lam')}")] = None,
+    lr: Annotated[float | None, Opt(help=f"Client SGD learning rate. {_default('lr')}")] = None,
+    batch_size: Annotated[int | None, Opt(help=f"Client minibatch size. {_default('batch_size')}")] = None,
+    server_lr: Annotated[float | None, Opt(help=f"Distillation Adam learning rate. {_default('server_lr')}")] = None,
+    kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,
+    kd_batch_size: Annotated[int | None, Opt(help=f"Distillation batch size. {_default('kd_batch_size')}")] = None,
+    kd_data: Annotated[
+        str | None, Opt(help="Unlabeled distillation data: auto (dataset's own split), digits, cifar10, cifar100.")
+    ] = None,
+    kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
+    eval_every: Annotated[int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")] = None,
+    limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
+    seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
+    device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
+    data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
+    download: Annotated[bool | None, Opt("--download", help="Download missing datasets (needs a network).")] = None,
+    out: Annotated[Path | None, Opt(help="Run directory [default: runs/DATA-METHOD-seedSEED].")] = None,
+    resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
+) -> None:
+    """Train personalized adapters in a simulated federation and write a run directory."""
+    from peradapt.federation import resume_config, train as run_train
+
+    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "run_train", "resume_config")}
+    overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
+    if resume:
+        if "out" not in overrides:
+            raise typer.BadParameter("--resume needs --out: the run directory to continue", param_hint="--resume")
+        train_config = resume_config(Path(overrides["out"]), overrides)
+    else:
+        values: dict[str, Any] = read_config_file(config) if config else {}
+        values.update(overrides)
+        train_config = TrainConfig.from_flat(values)
+    report = run_train(train_config, resume=resume, console=err_console)
+    from peradapt.evaluation import results_table
+
+    title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
+    out_console.print(results_table(report["summary"], title))
+    out_console.print(f"run directory: {train_config.out}")
+
+
+@app.command("eval")
+def evaluate(run: RunDir) -> None:
+    """local-test and global-test of every client's personalized adapter and of the global adapter."""
+    from peradapt.evaluation import results_table, summarize
+    from peradapt.runs import evaluate_run
+
+    evaluation = evaluate_run(run)
+    out_console.print(results_table(summarize(evaluation), f"evaluation of {run}"))
+    out_console.print(f"written to {run / 'eval.json'}")
+
+
+@app.command()
+def export(
+    run: RunDir,
+    out: Annotated[Path, Opt(help="Directory to write the adapters and backbone to.", show_default=False)],
+) -> None:
+    """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone."""
+    from peradapt.runs import export_run
+
+    path = export_run(run, out)
+    out_console.print(f"adapters and backbone written to {path}")
+    out_console.print(
+        "load one with: backbone = timm.create_model(...); backbone.load_state_dict(safetensors.torch.load_file("
+        f"'{path}/backbone.safetensors')); import peradapt; peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
+    )
+
+
+@app.command()
+def info(run: RunDir) -> None:
+    """Resolved config, partition statistics and trainable-parameter count of a run."""
+    from peradapt.federation.session import read_partition, read_run_config
+    from peradapt.runs import label_skew
+
+    config, resolved = read_run_config(run)
+    partition = read_partition(run)
+    out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
+    table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
+    for column in ("client", "train", "test", "train label histogram"):
+        table.add_column(column, justify="right" if column != "train label histogram" else "left")
+    for client in partition["clients"]:
+        histogram = " ".join(str(n) for n in client["train_histogram"])
+        table.add_row(str(client["id"]), str(len(client["train"])), str(len(client["test"])), histogram)
+    out_console.print(table)
+    skew = label_skew([c["train_histogram"] for c in partition["clients"]])
+    out_console.print(f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}")
+    if "trainable_parameters" in resolved:
+        trainable, total = resolved["trainable_parameters"], resolved["backbone_parameters"]
+        out_console.print(
+            f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
+            f"adapter: {resolved['adapter']}"
+        )
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except PeradaptError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

@@ -1,0 +1,222 @@
+"""Run configuration: one dataclass per concern, one flat namespace of keys.
+
+Every field name is unique across sections, so a config file (YAML or JSON) and the command-line flags use
+the same flat keys (`clients`, `lam`, `kd_steps`, ...) while library code reads `config.method.lam`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peradapt.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    data: str = "fmnist"
+    data_dir: str | None = None
+    partition: str = "dir:0.1"
+    kd_data: str = "auto"
+    limit_samples: int | None = None
+    download: bool = False
+
+
+@dataclass
+class BackboneConfig:
+    backbone: str = "resnet18"
+    weights: str | None = None
+
+
+@dataclass
+class AdapterConfig:
+    adapter: str | None = None  # None: residual for ResNets
+    adapter_dropout: float = 0.3
+    lora_rank: int = 8
+
+
+@dataclass
+class FederationConfig:
+    clients: int = 20
+    clients_per_round: int = 8
+    rounds: int = 200
+    eval_every: int = 10
+
+
+@dataclass
+class MethodConfig:
+    method: str = "perada"
+    local_epochs: int = 10
+    personal_epochs: int = 10
+    lam: float = 1.0
+    lr: float = 0.01
+    batch_size: int = 64
+
+
+@dataclass
+class DistillConfig:
+    kd_steps: int = 500
+    kd_batch_size: int = 2048
+    server_lr: float = 1e-3
+    kd_temperature: float = 1.0
+    kd_eval_every: int = 0  # 0: ten validation checks per distillation
+    kd_patience: int = 0  # 0: never stop early, only keep the best adapter
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    seed: int = 0
+    device: str = "auto"
+    out: str | None = None
+
+    def to_flat(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for section in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        flat.update({name: getattr(self, name) for name in _TOP_LEVEL})
+        return flat
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        config = cls()
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in _FLAT_FIELDS:
+                raise ConfigError(f"unknown setting '{key}'; known settings: {', '.join(sorted(_FLAT_FIELDS))}")
+            section = _FLAT_FIELDS[key]
+            target = getattr(config, section) if section else config
+            setattr(target, key, _coerce(key, value, _field_types[key]))
+        config.validate()
+        return config
+
+    @classmethod
+    def from_dict(cls, nested: dict[str, Any]) -> TrainConfig:
+        flat: dict[str, Any] = {}
+        for key, value in nested.items():
+            if isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        return cls.from_flat(flat)
+
+    def validate(self) -> None:
+        fed, method, distill = self.federation, self.method, self.distill
+        positive = {
+            "clients": fed.clients,
+            "clients_per_round": fed.clients_per_round,
+            "batch_size": method.batch_size,
+            "kd_batch_size": distill.kd_batch_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        non_negative = {
+            "rounds": fed.rounds,
+            "local_epochs": method.local_epochs,
+            "personal_epochs": method.personal_epochs,
+            "kd_steps": distill.kd_steps,
+            "lam": method.lam,
+            "eval_every": fed.eval_every,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        if fed.clients_per_round > fed.clients:
+            raise ConfigError(
+                f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
+                "lower --clients-per-round or raise --clients"
+            )
+        if method.lr <= 0 or distill.server_lr <= 0:
+            raise ConfigError("--lr and --server-lr must be positive")
+        if distill.kd_temperature <= 0:
+            raise ConfigError("--kd-temperature must be positive")
+        if not 0.0 <= self.adapter.adapter_dropout < 1.0:
+            raise ConfigError("--adapter-dropout must be in [0, 1)")
+        if self.data.limit_samples is not None and self.data.limit_samples < 1:
+            raise ConfigError("--limit-samples must be at least 1")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
+
+
+_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")
+_TOP_LEVEL = ("seed", "device", "out")
+_SECTION_CLASSES = {
+    "data": DataConfig,
+    "backbone": BackboneConfig,
+    "adapter": AdapterConfig,
+    "federation": FederationConfig,
+    "method": MethodConfig,
+    "distill": DistillConfig,
+}
+_FLAT_FIELDS: dict[str, str | None] = {}
+_field_types: dict[str, str] = {}
+for _section, _cls in _SECTION_CLASSES.items():
+    for _field in dataclasses.fields(_cls):
+        assert _field.name not in _FLAT_FIELDS, f"duplicate config key {_field.name}"
+        _FLAT_FIELDS[_field.name] = _section
+        _field_types[_field.name] = str(_field.type)
+for _field in dataclasses.fields(TrainConfig):
+    if _field.name in _TOP_LEVEL:
+        _FLAT_FIELDS[_field.name] = None
+        _field_types[_field.name] = str(_field.type)
+
+
+def _coerce(key: str, value: Any, type_name: str) -> Any:
+    """Turn a value read from YAML/JSON into the field's type, with a message naming the key on failure."""
+    if value is None:
+        if "None" not in type_name:
+            raise ConfigError(f"setting '{key}' may not be empty")
+        return None
+    base = type_name.replace(" | None", "")
+    try:
+        if base == "bool":
+            if isinstance(value, str):
+                return value.lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if base == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if base == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting '{key}' must be {base}, got {value!r}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Flat settings from a YAML or JSON file (nested sections as written by a run's config.json work too)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as exc:  # the parser's own message says where the syntax error is
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in _SECTION_CLASSES and isinstance(value, dict):
+            flat.update(value)
+        elif key not in ("versions", "resolved"):
+            flat[key] = value
+    return flat

@@ -1,0 +1,45 @@
+"""Datasets as in-memory uint8 tensors, their fixed splits, and client partitions."""
+
+from peradapt.data.batches import iterate_minibatches, random_crop_flip, to_model_input
+from peradapt.data.federation import (
+    SPLIT_SEED,
+    ClientData,
+    FederatedData,
+    FixedSplits,
+    build_federation,
+    fixed_splits,
+    pretraining_split,
+)
+from peradapt.data.images import ImageSet, resize_images
+from peradapt.data.partition import (
+    PartitionSpec,
+    label_histograms,
+    parse_partition,
+    partition_labels,
+    split_test_like_train,
+)
+from peradapt.data.sources import SOURCE_NAMES, SourceData, load_source, read_idx
+
+__all__ = [
+    "SOURCE_NAMES",
+    "SPLIT_SEED",
+    "ClientData",
+    "FederatedData",
+    "FixedSplits",
+    "ImageSet",
+    "PartitionSpec",
+    "SourceData",
+    "build_federation",
+    "fixed_splits",
+    "iterate_minibatches",
+    "label_histograms",
+    "load_source",
+    "parse_partition",
+    "partition_labels",
+    "pretraining_split",
+    "random_crop_flip",
+    "read_idx",
+    "resize_images",
+    "split_test_like_train",
+    "to_model_input",
+]

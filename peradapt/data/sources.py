@@ -1,0 +1,233 @@
+"""Named dataset sources, each loaded whole into memory as uint8 image tensors."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from peradapt.data.images import ImageSet
+from peradapt.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from torchvision.datasets import CIFAR10
+
+# Where Debian's dataset-fashion-mnist package installs the IDX files (module-level so tests can redirect it).
+DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+_FMNIST_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+_IDX_UBYTE = 0x08
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """One dataset as loaded from disk: its training and test images and normalization statistics."""
+
+    name: str
+    train: ImageSet
+    test: ImageSet | None
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def load_source(name: str, data_dir: Path | str | None, download: bool = False) -> SourceData:
+    """Load the source called ``name`` (one of ``SOURCE_NAMES``)."""
+    loader = _LOADERS.get(name)
+    if loader is None:
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
+    return loader(None if data_dir is None else Path(data_dir), download)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read an unsigned-byte IDX file (plain or gzip), as Fashion-MNIST ships; the result is read-only."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    # Keyed on size and mtime too, so a file replaced on disk is not served stale.
+    return _read_idx_cached(resolved, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_idx_cached(path: Path, size: int, mtime_ns: int) -> np.ndarray:
+    raw = _read_maybe_gzip(path)
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE or raw[3] == 0:
+        raise DataError(
+            f"{path} is not an unsigned-byte IDX file (bad magic number); replace it with a good copy"
+        )
+    ndim = raw[3]
+    header_size = 4 + 4 * ndim
+    if len(raw) < header_size:
+        raise DataError(f"{path} is truncated (incomplete IDX header); replace it with a good copy")
+    shape = struct.unpack(f">{ndim}I", raw[4:header_size])
+    count = int(np.prod(shape))
+    if len(raw) - header_size != count:
+        raise DataError(
+            f"{path} is corrupt: its header promises {count} bytes of data "
+            f"but it holds {len(raw) - header_size}; replace it with a good copy"
+        )
+    array = np.frombuffer(raw, dtype=np.uint8, offset=header_size).reshape(shape)
+    array.flags.writeable = False
+    return array
+
+
+def _read_maybe_gzip(path: Path) -> bytes:
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as handle:
+                return handle.read()
+        return path.read_bytes()
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"cannot read {path}: {err}; replace it with a good copy") from err
+
+
+def _load_fmnist(data_dir: Path | None, download: bool) -> SourceData:
+    search_dirs = _fmnist_search_dirs(data_dir)
+    files = next((found for found in map(_find_idx_files, search_dirs) if found is not None), None)
+    if files is None and download:
+        files = _download_fmnist(data_dir)
+    if files is None:
+        wanted = ", ".join(f"{stem}[.gz]" for stem in _FMNIST_FILES.values())
+        looked_in = ", ".join(str(directory) for directory in search_dirs)
+        raise DataError(
+            f"Fashion-MNIST not found: looked for {wanted} in {looked_in}. "
+            "Install it with `apt-get install dataset-fashion-mnist`, pass --data-dir DIR "
+            "with the four IDX files, or add --download (needs a network)"
+        )
+    train = _idx_image_set(files["train_images"], files["train_labels"])
+    test = _idx_image_set(files["test_images"], files["test_labels"])
+    return SourceData(name="fmnist", train=train, test=test, mean=(0.2860,), std=(0.3530,))
+
+
+def _fmnist_search_dirs(data_dir: Path | None) -> list[Path]:
+    local = [] if data_dir is None else [data_dir, data_dir / "FashionMNIST" / "raw"]
+    return [*local, DEBIAN_FMNIST_DIR]
+
+
+def _find_idx_files(directory: Path) -> dict[str, Path] | None:
+    found = {}
+    for key, stem in _FMNIST_FILES.items():
+        # Plain files first: they skip decompression.
+        candidates = [directory / stem, directory / f"{stem}.gz"]
+        existing = [candidate for candidate in candidates if candidate.is_file()]
+        if not existing:
+            return None
+        found[key] = existing[0]
+    return found
+
+
+def _download_fmnist(data_dir: Path | None) -> dict[str, Path] | None:
+    if data_dir is None:
+        raise DataError("--download needs --data-dir DIR to save Fashion-MNIST into")
+    import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
+
+    try:
+        torchvision.datasets.FashionMNIST(root=data_dir, train=True, download=True)
+    except (RuntimeError, OSError) as err:
+        raise DataError(
+            f"could not download Fashion-MNIST into {data_dir} ({err}); without a network, "
+            "use `apt-get install dataset-fashion-mnist` or --data-dir DIR with the four IDX files"
+        ) from err
+    return _find_idx_files(data_dir / "FashionMNIST" / "raw")
+
+
+def _idx_image_set(images_path: Path, labels_path: Path) -> ImageSet:
+    images = read_idx(images_path)
+    labels = read_idx(labels_path)
+    if images.ndim != 3:
+        raise DataError(f"{images_path} should hold images [N, H, W], but has shape {list(images.shape)}")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise DataError(f"{labels_path} should hold {len(images)} labels to match {images_path}")
+    if len(labels) and labels.max() >= 10:
+        raise DataError(f"{labels_path} has label {labels.max()}; Fashion-MNIST labels are 0..9")
+    # Copies, so that nobody can write through a tensor into the cached arrays.
+    return ImageSet(
+        images=torch.tensor(images).unsqueeze(1),
+        labels=torch.tensor(labels, dtype=torch.int64),
+        num_classes=10,
+    )
+
+
+@dataclass(frozen=True)
+class _CifarKind:
+    class_name: str
+    folder: str
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+_CIFAR_KINDS = {
+    "cifar10": _CifarKind(
+        "CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    ),
+    "cifar100": _CifarKind(
+        "CIFAR100", "cifar-100-python", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+    ),
+}
+
+
+def _load_cifar(name: str, data_dir: Path | None, download: bool) -> SourceData:
+    kind = _CIFAR_KINDS[name]
+    if data_dir is None:
+        raise DataError(f"{name} needs --data-dir DIR, with the extracted archive in DIR/{kind.folder}/")
+    import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
+
+    dataset_class = getattr(torchvision.datasets, kind.class_name)
+    try:
+        # torchvision verifies the md5 of every file, which protects runs from damaged user data.
+        splits = [dataset_class(root=data_dir, train=train, download=download) for train in (True, False)]
+    except (RuntimeError, OSError) as err:
+        raise DataError(
+            f"{name} not found or corrupted: the files must be in {data_dir / kind.folder}/. "
+            f"Get them with --download (needs a network), or download {dataset_class.url}, "
+            f"extract it and copy {kind.folder}/ into {data_dir}/"
+        ) from err
+    train, test = (_cifar_image_set(split, kind.num_classes) for split in splits)
+    return SourceData(name=name, train=train, test=test, mean=kind.mean, std=kind.std)
+
+
+def _cifar_image_set(dataset: CIFAR10, num_classes: int) -> ImageSet:
+    images = torch.from_numpy(np.ascontiguousarray(dataset.data)).permute(0, 3, 1, 2).contiguous()
+    labels = torch.tensor(dataset.targets, dtype=torch.int64)
+    return ImageSet(images=images, labels=labels, num_classes=num_classes)
+
+
+def _load_digits(data_dir: Path | None, download: bool) -> SourceData:
+    from sklearn.datasets import (
+        load_digits,
+    )  # deferred: sklearn is slow to import and only this source needs it
+
+    digits = load_digits()
+    # Pixel values are 0..16; stretch them to the 0..255 range of every other source.
+    pixels = np.rint(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    images = torch.from_numpy(pixels).unsqueeze(1)
+    labels = torch.as_tensor(digits.target, dtype=torch.int64)
+    scaled = pixels.astype(np.float64) / 255.0
+    return SourceData(
+        name="digits",
+        train=ImageSet(images=images, labels=labels, num_classes=10),
+        test=None,
+        mean=(float(scaled.mean()),),
+        std=(float(scaled.std()),),
+    )
+
+
+_LOADERS: dict[str, Callable[[Path | None, bool], SourceData]] = {
+    "fmnist": _load_fmnist,
+    "cifar10": functools.partial(_load_cifar, "cifar10"),
+    "cifar100": functools.partial(_load_cifar, "cifar100"),
+    "digits": _load_digits,
+}
+SOURCE_NAMES: tuple[str, ...] = tuple(_LOADERS)

@@ -1,0 +1,25 @@
+"""Errors a user can cause. The CLI prints each as one line and exits with code 2."""
+
+
+class PeradaptError(Exception):
+    """Base class: the message says what is wrong and what to do about it."""
+
+
+class ConfigError(PeradaptError):
+    """A flag, config file or combination of settings is invalid."""
+
+
+class DataError(PeradaptError):
+    """A dataset is missing, unreadable or too small for what was asked."""
+
+
+class WeightsError(PeradaptError):
+    """Backbone weights or an adapter checkpoint are missing, unreadable or do not match."""
+
+
+class RunError(PeradaptError):
+    """A run directory is missing, incomplete or belongs to a different configuration."""
+
+
+class TrainingDiverged(PeradaptError):
+    """A loss became NaN or infinite."""

@@ -1,0 +1,27 @@
+"""The result table printed at the end of `train` and by `eval`."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+ROWS = (
+    ("personalized", "local_test", "personalized adapters", "local-test"),
+    ("personalized", "global_test", "personalized adapters", "global-test"),
+    ("global", "local_test", "global adapter", "local-test"),
+    ("global", "global_test", "global adapter", "global-test"),
+)
+
+
+def results_table(flat: dict[str, float], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("adapter")
+    table.add_column("metric")
+    table.add_column("accuracy % (mean ± std over clients)", justify="right")
+    for who, split, label, metric in ROWS:
+        key = f"{who}_{split}"
+        if key not in flat:
+            continue
+        std = flat.get(f"{key}_std")
+        value = f"{100 * flat[key]:.2f}" + (f" ± {100 * std:.2f}" if std is not None else "")
+        table.add_row(label, metric, value)
+    return table

@@ -1,0 +1,195 @@
+"""The round loop, written once for every method: sample, client updates, server update, evaluate, checkpoint.
+
+`train` runs a federation from a config into a run directory; `--resume` continues from the newest checkpoint
+and, because every random draw is derived from (seed, round, client, phase), ends with exactly the numbers an
+uninterrupted run gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from peradapt.config import TrainConfig
+from peradapt.errors import RunError
+from peradapt.evaluation import evaluate_adapters, summarize, summary
+from peradapt.federation.checkpoint import (
+    load_latest_checkpoint,
+    save_checkpoint,
+    write_json_atomic,
+    write_text_atomic,
+)
+from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
+from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.progress import progress_display
+
+RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out")
+GLOBAL_PREFIX = "global/"
+
+
+def default_run_dir(config: TrainConfig) -> Path:
+    return Path("runs") / f"{config.data.data}-{config.method.method}-seed{config.seed}"
+
+
+def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
+    """The saved config of `run_dir` with `overrides` applied; only settings that keep results valid may change."""
+    saved, _ = read_run_config(run_dir)
+    flat = saved.to_flat()
+    changed = sorted(k for k, v in overrides.items() if k not in RESUMABLE_CHANGES and flat.get(k) != v)
+    if changed:
+        raise RunError(
+            f"--resume continues {run_dir} with its saved settings; these differ: {', '.join(changed)}. "
+            f"Only {', '.join(RESUMABLE_CHANGES)} may change; start a new run with --out for anything else"
+        )
+    flat.update(overrides)
+    flat["out"] = str(run_dir)
+    return TrainConfig.from_flat(flat)
+
+
+def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+    """Run (or continue) a federation; returns the report also written to `report.json`."""
+    console = console or Console(stderr=True)
+    run_dir = Path(config.out) if config.out else default_run_dir(config)
+    config.out = str(run_dir)
+    paths = RunPaths(run_dir)
+    if resume:
+        session = build_session(config, read_partition(run_dir))
+        checkpoint = load_latest_checkpoint(paths.checkpoints)
+    else:
+        if paths.config.exists():
+            raise RunError(f"{run_dir} already holds a run: pass --resume to continue it, or --out DIR for a new one")
+        session = build_session(config)
+        checkpoint = None
+    console.print(f"backbone weights: {session.backbone.source}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": session.resolved()})
+    if not resume:
+        write_json_atomic(paths.partition, session.data.partition)
+
+    global_state, history = session.initial, []
+    if checkpoint is not None:
+        tensors, meta = checkpoint
+        global_state = {k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)}
+        session.store.load_tensors(tensors, session.device)
+        history = meta["metrics"]
+    start = len(history)
+    if start:
+        console.print(f"resuming {run_dir} after round {start}")
+
+    global_state = _run_rounds(session, global_state, history, paths, console)
+    return _finish(session, global_state, paths, console)
+
+
+def _run_rounds(session: Session, global_state: dict, history: list, paths: RunPaths, console: Console) -> dict:
+    config, method, data = session.config, session.method, session.data
+    fed, seed = config.federation, config.seed
+    kd_steps = config.distill.kd_steps if method.uses_distillation else 0
+    with progress_display(console) as progress:
+        rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history))
+        for round_index in range(len(history), fed.rounds):
+            sampled = sample_clients(seed, round_index, fed.clients, fed.clients_per_round)
+            clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(sampled))
+            updates = []
+            for client_id in sampled:
+                client_seed = derive_seed(seed, round_index, client_id)
+                updates.append(method.client_update(data.clients[client_id], global_state, client_seed))
+                progress.advance(clients_bar)
+            progress.remove_task(clients_bar)
+            server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
+            global_state, server_metrics = method.server_update(
+                global_state,
+                updates,
+                derive_seed(seed, round_index, SERVER),
+                on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
+            )
+            progress.remove_task(server_bar)
+            record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
+            if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
+                evaluation = evaluate_adapters(
+                    session.trainer,
+                    lambda c: method.personalized(c, global_state),
+                    global_state,
+                    data.clients,
+                    data.global_test,
+                    personalized_global_test=False,
+                )
+                record.update(summarize(evaluation))
+            history.append(record)
+            _save_round(session, global_state, history, paths)
+            progress.update(rounds_bar, advance=1, description=_round_description(record))
+            if not console.is_terminal:  # logs and CI get one line per round instead of a live display
+                console.print(_round_description(record))
+    return global_state
+
+
+def _mean_client_metrics(updates: list) -> dict[str, float]:
+    names = updates[0].metrics.keys() if updates else []
+    return {name: float(np.mean([u.metrics[name] for u in updates])) for name in names}
+
+
+def _round_description(record: dict) -> str:
+    parts = [f"round {record['round']}"]
+    if "local_loss" in record:
+        parts.append(f"loss {record['local_loss']:.3f}")
+    if "personalized_local_test" in record:
+        parts.append(f"local-test {100 * record['personalized_local_test']:.1f}%")
+    return "  ".join(parts)
+
+
+def _save_round(session: Session, global_state: dict, history: list, paths: RunPaths) -> None:
+    tensors = {GLOBAL_PREFIX + name: tensor for name, tensor in global_state.items()}
+    tensors.update(session.store.to_tensors())
+    write_text_atomic(paths.metrics, "".join(json.dumps(record) + "\n" for record in history))
+    save_checkpoint(paths.checkpoints, len(history), tensors, {"metrics": history})
+
+
+def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console) -> dict:
+    data, method = session.data, session.method
+    with progress_display(console) as progress:
+        bar = progress.add_task("final evaluation", total=len(data.clients))
+        evaluation = evaluate_adapters(
+            session.trainer,
+            lambda c: method.personalized(c, global_state),
+            global_state,
+            data.clients,
+            data.global_test,
+            personalized_global_test=True,
+            on_client=lambda: progress.advance(bar),
+        )
+    export_adapters(session, global_state, paths.root)
+    report = build_report(session, evaluation)
+    write_json_atomic(paths.report, report)
+    return report
+
+
+def export_adapters(session: Session, global_state: dict, directory: Path) -> None:
+    """Every client's personalized adapter and the global adapter, in PEFT layout."""
+    for client in session.data.clients:
+        state = session.method.personalized(client.client_id, global_state)
+        session.model.save_pretrained(directory / "clients" / str(client.client_id), state)
+    session.model.save_pretrained(directory / "global", global_state)
+
+
+def build_report(session: Session, evaluation: dict) -> dict:
+    def with_stats(values: list[float]) -> dict:
+        return {**summary(values), "per_client": values}
+
+    config = session.config
+    return {
+        "method": config.method.method,
+        "data": config.data.data,
+        "rounds": config.federation.rounds,
+        "seed": config.seed,
+        "clients": evaluation["clients"],
+        "personalized": {split: with_stats(v) for split, v in evaluation["personalized"].items()},
+        "global": {
+            "local_test": with_stats(evaluation["global"]["local_test"]),
+            "global_test": evaluation["global"]["global_test"],
+        },
+        "summary": summarize(evaluation),
+        "trainable_parameters": session.model.num_trainable(),
+        "backbone_parameters": session.model.num_backbone(),
+    }

@@ -1,0 +1,117 @@
+"""Client-side computation on the shared model: minibatch SGD (optionally proximal) and batched inference.
+
+Every random choice (minibatch order, dropout, augmentation) is drawn from a seed that the engine derives from
+(run seed, round, client, phase). A round replayed after a crash therefore gives exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from peradapt.adapters import AdaptedModel, AdapterState
+from peradapt.data import ImageSet, iterate_minibatches, random_crop_flip, to_model_input
+from peradapt.errors import TrainingDiverged
+
+
+@dataclass
+class InputPipeline:
+    """Turns stored uint8 images into normalized model inputs on the model's device."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    device: torch.device
+    augment: bool = False
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if self.augment and generator is not None:
+            images = random_crop_flip(images, generator)
+        return to_model_input(images, self.mean, self.std, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator for data order, and the global seed for dropout, both from one number."""
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class LocalTrainer:
+    model: AdaptedModel
+    inputs: InputPipeline
+    batch_size: int
+    eval_batch_size: int = 512
+
+    def sgd(
+        self,
+        start: AdapterState,
+        data: ImageSet,
+        *,
+        epochs: int,
+        lr: float,
+        seed: int,
+        anchor: AdapterState | None = None,
+        lam: float = 0.0,
+    ) -> tuple[AdapterState, float]:
+        """`epochs` passes of minibatch SGD on cross-entropy from `start`.
+
+        With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
+        (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss.
+        """
+        assert data.labels is not None, "training data must be labeled"
+        model = self.model
+        model.load_state(start)
+        model.train()
+        parameters = model.trainable_parameters()
+        optimizer = torch.optim.SGD(parameters.values(), lr=lr)
+        generator = seeded_generator(seed)
+        total_loss, batches = 0.0, 0
+        for _ in range(epochs):
+            for batch in iterate_minibatches(len(data), self.batch_size, generator):
+                images = self.inputs(data.images[batch], generator)
+                labels = data.labels[batch].to(self.inputs.device, non_blocking=True)
+                with self.inputs.autocast():
+                    loss = F.cross_entropy(model(images), labels)
+                if not torch.isfinite(loss):
+                    raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if anchor is not None and lam > 0:
+                    with torch.no_grad():
+                        for name, parameter in parameters.items():
+                            parameter.grad.add_(parameter - anchor[name], alpha=lam)
+                optimizer.step()
+                total_loss += loss.item()
+                batches += 1
+        return model.state(), total_loss / max(batches, 1)
+
+    @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later
+    def logits(self, state: AdapterState, data: ImageSet) -> torch.Tensor:
+        """Inference-mode logits of the model with `state` loaded, for every image of `data`, as float32."""
+        self.model.load_state(state)
+        self.model.eval()
+        return torch.cat([self._forward(chunk) for chunk in self._chunks(data)]) if len(data) else torch.empty(0)
+
+    def _chunks(self, data: ImageSet) -> Iterator[torch.Tensor]:
+        for start in range(0, len(data), self.eval_batch_size):
+            yield data.images[start : start + self.eval_batch_size]
+
+    def _forward(self, images: torch.Tensor) -> torch.Tensor:
+        with self.inputs.autocast():
+            return self.model(self.inputs(images)).float()
+
+    def accuracy(self, state: AdapterState, data: ImageSet) -> float:
+        assert data.labels is not None
+        if len(data) == 0:
+            return float("nan")
+        predictions = self.logits(state, data).argmax(dim=1).cpu()
+        return (predictions == data.labels).float().mean().item()

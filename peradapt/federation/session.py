@@ -1,0 +1,179 @@
+"""Everything a run is built from its config: data, frozen backbone with adapters, trainer, method.
+
+Building a session validates every user input (data, weights, method, sizes) before anything is written, so a
+mistake never leaves a half-made run directory behind.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
+from peradapt.backbones import BackboneInfo, load_backbone
+from peradapt.config import TrainConfig
+from peradapt.data import FederatedData, build_federation
+from peradapt.distill import Distiller
+from peradapt.errors import ConfigError, RunError
+from peradapt.federation.local import InputPipeline, LocalTrainer
+from peradapt.federation.store import ClientStore
+from peradapt.personalize import Method, MethodContext, build_method, method_class
+
+AUGMENTED_DATASETS = ("cifar10", "cifar100")  # the paper trains CIFAR with random crop + flip
+
+
+@dataclass
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def partition(self) -> Path:
+        return self.root / "partition.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def clients(self) -> Path:
+        return self.root / "clients"
+
+    @property
+    def global_adapter(self) -> Path:
+        return self.root / "global"
+
+
+@dataclass
+class Session:
+    config: TrainConfig
+    data: FederatedData
+    model: AdaptedModel
+    trainer: LocalTrainer
+    method: Method
+    store: ClientStore
+    initial: AdapterState
+    backbone: BackboneInfo
+    adapter_kind: str
+    device: torch.device
+
+    def resolved(self) -> dict:
+        """What the flags resolved to on this machine, written beside the config."""
+        packages = ("peradapt", "torch", "timm", "peft", "numpy")
+        return {
+            "adapter": self.adapter_kind,
+            "weights": self.backbone.source,
+            "device": str(self.device),
+            "num_classes": self.data.num_classes,
+            "channels": self.data.channels,
+            "image_size": self.data.image_size,
+            "trainable_parameters": self.model.num_trainable(),
+            "backbone_parameters": self.model.num_backbone(),
+            "versions": {"python": platform.python_version(), **{p: _version(p) for p in packages}},
+        }
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible: use --device cpu")
+    return torch.device(name)
+
+
+def build_session(config: TrainConfig, saved_partition: dict | None = None) -> Session:
+    config.validate()
+    method_cls = method_class(config.method.method)
+    data = build_federation(
+        config.data.data,
+        config.data.data_dir,
+        num_clients=config.federation.clients,
+        partition=config.data.partition,
+        seed=config.seed,
+        kd_data=config.data.kd_data,
+        limit_samples=config.data.limit_samples,
+        download=config.data.download,
+        saved_partition=saved_partition,
+    )
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
+    backbone, info = load_backbone(
+        config.backbone.backbone,
+        data=config.data.data,
+        num_classes=data.num_classes,
+        in_chans=data.channels,
+        weights=config.backbone.weights,
+        mean=data.mean,
+        std=data.std,
+        image_size=data.image_size,
+    )
+    backbone.to(device)
+    if device.type == "cuda":
+        backbone.to(memory_format=torch.channels_last)
+    kind = config.adapter.adapter or default_adapter_kind(config.backbone.backbone)
+    model = inject_adapters(backbone, kind, dropout=config.adapter.adapter_dropout, lora_rank=config.adapter.lora_rank)
+    inputs = InputPipeline(
+        _per_channel(info.mean, data.channels),
+        _per_channel(info.std, data.channels),
+        device,
+        augment=config.data.data in AUGMENTED_DATASETS,
+    )
+    trainer = LocalTrainer(model, inputs, config.method.batch_size)
+    distiller = None
+    if method_cls.uses_distillation:
+        distiller = Distiller(trainer, data.kd, data.val, config.distill)
+    store = ClientStore()
+    initial = model.state()
+    method = build_method(config.method.method, MethodContext(config.method, trainer, store, initial, distiller))
+    return Session(config, data, model, trainer, method, store, initial, info, kind, device)
+
+
+def _per_channel(values: tuple[float, ...], channels: int) -> tuple[float, ...]:
+    """Backbone statistics for the data's channel count (RGB ImageNet statistics for grayscale data: their mean)."""
+    if len(values) == channels:
+        return values
+    return (sum(values) / len(values),) * channels
+
+
+def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise RunError(f"{run_dir} is not a peradapt run directory (no config.json): pass the --out of a train run")
+    try:
+        saved = json.loads(paths.config.read_text())
+        return TrainConfig.from_dict(saved["config"]), saved.get("resolved", {})
+    except (ValueError, KeyError) as exc:
+        raise RunError(f"{paths.config} is unreadable ({exc})") from None
+
+
+def read_partition(run_dir: Path) -> dict:
+    path = RunPaths(run_dir).partition
+    if not path.is_file():
+        raise RunError(f"{run_dir} has no partition.json: the run was never started")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise RunError(f"{path} is unreadable ({exc})") from None

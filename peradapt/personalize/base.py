@@ -1,0 +1,89 @@
+"""The method interface: what a personalization algorithm defines, and nothing the engine already does.
+
+A method holds the paper's update rules only. The engine samples clients, calls `client_update` for each,
+passes the uploads to `server_update`, evaluates and checkpoints. Private per-client state lives in the
+`ClientStore`, so methods stay stateless between calls apart from what they put there.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from peradapt.adapters import AdapterState
+from peradapt.config import MethodConfig
+from peradapt.data import ClientData
+from peradapt.distill import Distiller
+from peradapt.errors import ConfigError
+from peradapt.federation.local import LocalTrainer
+from peradapt.federation.store import ClientStore
+
+
+@dataclass
+class ClientUpdate:
+    client_id: int
+    upload: AdapterState  # what the client sends to the server
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MethodContext:
+    config: MethodConfig
+    trainer: LocalTrainer
+    store: ClientStore
+    initial: AdapterState  # the injected adapter before any training: w^0 and every v_m^0
+    distiller: Distiller | None
+
+
+class Method(ABC):
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    uses_distillation: ClassVar[bool] = False
+
+    def __init__(self, context: MethodContext) -> None:
+        self.context = context
+        self.config = context.config
+        self.trainer = context.trainer
+        self.store = context.store
+
+    @abstractmethod
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        """Train on one sampled client, starting from what the server sent; return the upload."""
+
+    @abstractmethod
+    def server_update(
+        self,
+        global_state: AdapterState,
+        updates: list[ClientUpdate],
+        seed: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[AdapterState, dict[str, float]]:
+        """Build the next global adapter from the uploads; return it with metrics to log."""
+
+    @abstractmethod
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        """The adapter client `client_id` is evaluated and exported with."""
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError(f"unknown --method '{name}': use one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def build_method(name: str, context: MethodContext) -> Method:
+    cls = method_class(name)
+    if cls.uses_distillation and context.distiller is None:
+        raise ConfigError(f"--method {name} distills on unlabeled data: it needs --kd-data")
+    return cls(context)

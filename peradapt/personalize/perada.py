@@ -1,0 +1,75 @@
+"""PerAda: personalized adapters regularized towards a distilled global adapter.
+
+Xie et al., "PerAda: Parameter-Efficient Federated Learning Personalization with Generalization Guarantees"
+(CVPR 2024), Algorithm 1. Client m keeps a personalized adapter v_m and, each round it is sampled:
+
+    v_m <- v_m - eta_p * (grad L_m(v_m) + lam * (v_m - w))     S epochs   (line 10, Personal Obj)
+    theta_m <- w;  theta_m <- theta_m - eta_l * grad L_m(theta_m)  E epochs (lines 12-15)
+
+and uploads theta_m. The server sets w <- mean of theta_m over sampled clients (lines 17-18), then distills:
+R steps on KL(softmax(mean teacher logits) || softmax(student logits)) over unlabeled data (lines 19-22,
+Global Obj). `perada-nokd` stops after the mean (the paper's "PerAda w/o KD" ablation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from peradapt.adapters import AdapterState, average_states
+from peradapt.data import ClientData
+from peradapt.distill import ensemble_logits
+from peradapt.federation.seeds import LOCAL, PERSONAL, derive_seed
+from peradapt.personalize.base import ClientUpdate, Method, register
+
+PERSONAL_KEY = "personal"
+
+
+@register
+class PerAda(Method):
+    name = "perada"
+    summary = "personalized adapters with a proximal term to a KD-distilled global adapter (Algorithm 1)"
+    uses_distillation = True
+
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        config, trainer = self.config, self.trainer
+        personal, personal_loss = trainer.sgd(
+            self.personalized(client.client_id, global_state),
+            client.train,
+            epochs=config.personal_epochs,
+            lr=config.lr,
+            seed=derive_seed(seed, PERSONAL),
+            anchor=global_state,
+            lam=config.lam,
+        )
+        self.store.put(client.client_id, PERSONAL_KEY, personal)
+        local, local_loss = trainer.sgd(
+            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+        )
+        metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
+        return ClientUpdate(client.client_id, local, len(client.train), metrics)
+
+    def server_update(
+        self,
+        global_state: AdapterState,
+        updates: list[ClientUpdate],
+        seed: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[AdapterState, dict[str, float]]:
+        teachers = [update.upload for update in updates]
+        averaged = average_states(teachers)
+        if not self.uses_distillation:
+            return averaged, {}
+        distiller = self.context.distiller
+        assert distiller is not None
+        teacher_logits = ensemble_logits(self.trainer, teachers, distiller.kd_data)
+        return distiller.distill(averaged, teacher_logits, seed=seed, on_step=on_step)
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
+
+
+@register
+class PerAdaNoKD(PerAda):
+    name = "perada-nokd"
+    summary = "PerAda without server distillation: the global adapter is the plain mean of local adapters"
+    uses_distillation = False

@@ -1,0 +1,112 @@
+"""`peradapt pretrain`: make a backbone offline, standing in for ImageNet pretraining.
+
+The backbone is trained centrally on the dataset's labeled pretraining split, which the federated clients never
+see, and stored where `peradapt train` finds it (or at `--out`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from peradapt.backbones import BackboneInfo, create_backbone, default_weights_path, save_backbone
+from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
+from peradapt.errors import ConfigError, TrainingDiverged
+from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
+from peradapt.federation.session import resolve_device
+from peradapt.progress import progress_display
+
+HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
+
+
+@dataclass
+class PretrainConfig:
+    data: str = "fmnist"
+    backbone: str = "resnet18"
+    epochs: int = 5
+    batch_size: int = 128
+    lr: float = 0.05
+    weight_decay: float = 5e-4
+    limit_samples: int | None = None
+    data_dir: str | None = None
+    download: bool = False
+    out: str | None = None
+    seed: int = 0
+    device: str = "auto"
+
+    def validate(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ConfigError("--epochs and --batch-size must be at least 1 and --lr positive")
+        if self.limit_samples is not None and self.limit_samples < 2:
+            raise ConfigError("--limit-samples must be at least 2 for pretraining")
+
+
+def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Path, float]:
+    """Train the backbone; returns where it was stored and its accuracy on held-out pretraining images."""
+    console = console or Console(stderr=True)
+    config.validate()
+    images, source = pretraining_split(config.data, config.data_dir, limit_samples=config.limit_samples,
+                                       download=config.download)
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
+    train_set, held_out = _hold_out(images, config.seed)
+    inputs = InputPipeline(source.mean, source.std, device, augment=True)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=0.9, nesterov=True, weight_decay=config.weight_decay
+    )
+    steps_per_epoch = -(-len(train_set) // config.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.15
+    )
+    generator = seeded_generator(config.seed)
+    assert train_set.labels is not None
+    with progress_display(console) as progress:
+        bar = progress.add_task(f"pretraining {config.backbone} on {config.data}", total=config.epochs * steps_per_epoch)
+        for epoch in range(config.epochs):
+            model.train()
+            for batch in iterate_minibatches(len(train_set), config.batch_size, generator):
+                loss = F.cross_entropy(
+                    model(inputs(train_set.images[batch], generator)), train_set.labels[batch].to(device)
+                )
+                if not torch.isfinite(loss):
+                    raise TrainingDiverged(f"pretraining loss became {loss.item()}: lower --lr (now {config.lr})")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                progress.update(bar, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {loss.item():.3f}")
+    accuracy = _accuracy(model, held_out, inputs)
+    out = Path(config.out) if config.out else default_weights_path(config.data, config.backbone)
+    info = BackboneInfo(
+        backbone=config.backbone,
+        in_chans=images.images.shape[1],
+        image_size=images.images.shape[-1],
+        mean=source.mean,
+        std=source.std,
+        source=f"peradapt pretrain on {config.data} ({len(train_set)} images, {config.epochs} epochs)",
+    )
+    save_backbone(model.state_dict(), info, out)
+    return out, accuracy
+
+
+def _hold_out(images: ImageSet, seed: int) -> tuple[ImageSet, ImageSet]:
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))
+    held = max(1, int(len(images) * HELD_OUT_FRACTION))
+    return images.subset(order[held:]), images.subset(order[:held])
+
+
+def _accuracy(model: torch.nn.Module, data: ImageSet, inputs: InputPipeline) -> float:
+    """Held-out accuracy, reusing the trainer's batched inference on a plain (adapter-free) model."""
+    model.eval()
+    assert data.labels is not None
+    with torch.inference_mode():
+        predictions = torch.cat([
+            model(inputs(data.images[start : start + LocalTrainer.eval_batch_size])).argmax(1).cpu()
+            for start in range(0, len(data), LocalTrainer.eval_batch_size)
+        ])
+    return (predictions == data.labels).float().mean().item()
