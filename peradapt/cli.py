@@ -106,7 +106,7 @@ def train(
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    from peradapt.federation import resume_config, train as run_train
+    from peradapt.federation.engine import resume_config, train as run_train
 
     flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "run_train", "resume_config")}
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}

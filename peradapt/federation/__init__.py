@@ -1,6 +1,6 @@
-"""The federated round engine, run directories, checkpoints and client state."""
+"""The federated round engine (`engine`), run directories (`session`), checkpoints and client state.
 
-from peradapt.federation.engine import default_run_dir, resume_config, train
-from peradapt.federation.session import RunPaths, Session, build_session
-
-__all__ = ["RunPaths", "Session", "build_session", "default_run_dir", "resume_config", "train"]
+Nothing is imported here on purpose: methods and distillation import the leaf modules (`local`, `seeds`,
+`store`) while the engine imports methods and distillation, so re-exporting the engine from this package
+would make every `import peradapt.personalize` go round in a circle.
+"""
