@@ -49,7 +49,8 @@ def pretrain(
     device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Make a backbone offline by training it on a labeled split the clients never see (stands in for ImageNet)."""
-    from peradapt.pretrain import PretrainConfig, pretrain as run_pretrain
+    from peradapt.pretrain import PretrainConfig
+    from peradapt.pretrain import pretrain as run_pretrain
 
     config = PretrainConfig(
         data=data,
@@ -76,11 +77,15 @@ def train(
     backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
     weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) [default: from `pretrain`].")] = None,
     adapter: Annotated[str | None, Opt(help="residual (PerAda's, default for ResNets) or lora.")] = None,
-    adapter_dropout: Annotated[float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")] = None,
+    adapter_dropout: Annotated[
+        float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")
+    ] = None,
     lora_rank: Annotated[int | None, Opt(help=f"LoRA rank for --adapter lora. {_default('lora_rank')}")] = None,
     partition: Annotated[str | None, Opt(help=f"dir:ALPHA, iid or classes:K. {_default('partition')}")] = None,
     rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,
-    clients_per_round: Annotated[int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")] = None,
+    clients_per_round: Annotated[
+        int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")
+    ] = None,
     local_epochs: Annotated[int | None, Opt(help=f"Epochs E on the local adapter. {_default('local_epochs')}")] = None,
     personal_epochs: Annotated[
         int | None, Opt(help=f"Epochs S on the personalized adapter. {_default('personal_epochs')}")
@@ -95,7 +100,9 @@ def train(
         str | None, Opt(help="Unlabeled distillation data: auto (dataset's own split), digits, cifar10, cifar100.")
     ] = None,
     kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
-    eval_every: Annotated[int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")] = None,
+    eval_every: Annotated[
+        int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")
+    ] = None,
     limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
     seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
@@ -106,7 +113,8 @@ def train(
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    from peradapt.federation.engine import resume_config, train as run_train
+    from peradapt.federation.engine import resume_config
+    from peradapt.federation.engine import train as run_train
 
     flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "run_train", "resume_config")}
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
@@ -149,7 +157,8 @@ def export(
     out_console.print(f"adapters and backbone written to {path}")
     out_console.print(
         "load one with: backbone = timm.create_model(...); backbone.load_state_dict(safetensors.torch.load_file("
-        f"'{path}/backbone.safetensors')); import peradapt; peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
+        f"'{path}/backbone.safetensors')); import peradapt; "
+        f"peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
     )
 
 

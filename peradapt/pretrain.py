@@ -49,8 +49,9 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     """Train the backbone; returns where it was stored and its accuracy on held-out pretraining images."""
     console = console or Console(stderr=True)
     config.validate()
-    images, source = pretraining_split(config.data, config.data_dir, limit_samples=config.limit_samples,
-                                       download=config.download)
+    images, source = pretraining_split(
+        config.data, config.data_dir, limit_samples=config.limit_samples, download=config.download
+    )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
@@ -66,7 +67,9 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     generator = seeded_generator(config.seed)
     assert train_set.labels is not None
     with progress_display(console) as progress:
-        bar = progress.add_task(f"pretraining {config.backbone} on {config.data}", total=config.epochs * steps_per_epoch)
+        bar = progress.add_task(
+            f"pretraining {config.backbone} on {config.data}", total=config.epochs * steps_per_epoch
+        )
         for epoch in range(config.epochs):
             model.train()
             for batch in iterate_minibatches(len(train_set), config.batch_size, generator):
@@ -105,8 +108,10 @@ def _accuracy(model: torch.nn.Module, data: ImageSet, inputs: InputPipeline) -> 
     model.eval()
     assert data.labels is not None
     with torch.inference_mode():
-        predictions = torch.cat([
-            model(inputs(data.images[start : start + LocalTrainer.eval_batch_size])).argmax(1).cpu()
-            for start in range(0, len(data), LocalTrainer.eval_batch_size)
-        ])
+        predictions = torch.cat(
+            [
+                model(inputs(data.images[start : start + LocalTrainer.eval_batch_size])).argmax(1).cpu()
+                for start in range(0, len(data), LocalTrainer.eval_batch_size)
+            ]
+        )
     return (predictions == data.labels).float().mean().item()

@@ -21,8 +21,12 @@ def open_run(run_dir: Path) -> Session:
 
 def _exported_states(session: Session, paths: RunPaths) -> tuple[dict[int, dict], dict]:
     if not paths.global_adapter.is_dir():
-        raise RunError(f"{paths.root} has no exported adapters yet: finish it with `peradapt train --out {paths.root} --resume`")
-    personal = {c.client_id: session.model.load_pretrained(paths.clients / str(c.client_id)) for c in session.data.clients}
+        raise RunError(
+            f"{paths.root} has no exported adapters yet: finish it with `peradapt train --out {paths.root} --resume`"
+        )
+    personal = {
+        c.client_id: session.model.load_pretrained(paths.clients / str(c.client_id)) for c in session.data.clients
+    }
     return personal, session.model.load_pretrained(paths.global_adapter)
 
 

@@ -34,9 +34,7 @@ from peradapt.data import (
 from peradapt.errors import ConfigError, DataError
 
 HAS_DEBIAN_FMNIST = (sources.DEBIAN_FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
-needs_fmnist = pytest.mark.skipif(
-    not HAS_DEBIAN_FMNIST, reason="needs `apt-get install dataset-fashion-mnist`"
-)
+needs_fmnist = pytest.mark.skipif(not HAS_DEBIAN_FMNIST, reason="needs `apt-get install dataset-fashion-mnist`")
 
 
 def skewed_labels(num_samples: int = 3000, num_classes: int = 10, seed: int = 0) -> np.ndarray:
@@ -335,9 +333,7 @@ def test_cifar_federation_distills_on_the_other_cifar(tmp_path: Path) -> None:
     assert (fed.num_classes, fed.channels, fed.image_size) == (10, 3, 32)
     assert len(fed.val) == 3 and sum(len(client.train) for client in fed.clients) == 27
     assert fed.kd.labels is None and fed.kd.images.shape == (30, 3, 32, 32)
-    digits_kd = build_federation(
-        "cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="digits"
-    )
+    digits_kd = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="digits")
     assert digits_kd.kd.images.shape == (1797, 3, 32, 32)
     with pytest.raises(ConfigError, match="no unlabeled KD split"):
         build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="cifar10")
@@ -372,9 +368,7 @@ def test_resize_converts_size_and_channels() -> None:
 def test_image_set_subset_keeps_labels_aligned() -> None:
     images = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1).expand(5, 1, 2, 2).contiguous()
     subset = ImageSet(images, torch.arange(5), 5).subset([4, 1])
-    assert (
-        len(subset) == 2 and subset.labels.tolist() == [4, 1] and subset.images[:, 0, 0, 0].tolist() == [4, 1]
-    )
+    assert len(subset) == 2 and subset.labels.tolist() == [4, 1] and subset.images[:, 0, 0, 0].tolist() == [4, 1]
     assert ImageSet(images, None, 5).subset(torch.tensor([0])).labels is None
 
 
@@ -467,9 +461,7 @@ def test_saved_partition_round_trip_gives_identical_clients(fmnist_federation) -
 
 @needs_fmnist
 def test_fmnist_federation_errors_and_kd_choices() -> None:
-    with pytest.raises(
-        DataError, match=r"5 clients need at least 5 samples; the pool has 3 \(raise --limit-samples"
-    ):
+    with pytest.raises(DataError, match=r"5 clients need at least 5 samples; the pool has 3 \(raise --limit-samples"):
         build_federation("fmnist", None, num_clients=5, partition="iid", seed=0, limit_samples=3)
     digits = build_federation(
         "fmnist", None, num_clients=2, partition="iid", seed=0, limit_samples=50, kd_data="digits"
@@ -512,9 +504,7 @@ def test_random_crop_flip_keeps_shape_and_is_seeded(dtype: torch.dtype) -> None:
 
 
 def test_random_crop_flip_crops_and_flips() -> None:
-    images = torch.randint(
-        1, 256, (64, 1, 6, 6), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
-    )
+    images = torch.randint(1, 256, (64, 1, 6, 6), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     flipped_only = random_crop_flip(images, torch.Generator().manual_seed(1), padding=0)
     is_flip = [torch.equal(out, img.flip(-1)) for out, img in zip(flipped_only, images, strict=True)]
     is_same = [torch.equal(out, img) for out, img in zip(flipped_only, images, strict=True)]

@@ -205,9 +205,10 @@ def test_nokd_server_update_is_the_uniform_mean_of_uploads():
         {"w": torch.tensor([2.0, 4.0]), "steps": torch.tensor(9)},
         {"w": torch.tensor([6.0, 0.0]), "steps": torch.tensor(1)},
     ]
-    updates = [ClientUpdate(i, upload, num_samples) for i, (upload, num_samples) in enumerate(
-        zip(uploads, [1, 100, 10], strict=True)
-    )]
+    updates = [
+        ClientUpdate(i, upload, num_samples)
+        for i, (upload, num_samples) in enumerate(zip(uploads, [1, 100, 10], strict=True))
+    ]
     averaged, info = method.server_update({"w": torch.zeros(2), "steps": torch.tensor(0)}, updates, seed=0)
     assert_close(averaged["w"], torch.tensor([3.0, 2.0]))
     assert averaged["steps"].item() == 4

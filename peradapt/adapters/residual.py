@@ -44,9 +44,7 @@ class ResidualAdapterLayer(nn.Module, LoraLayer):
         channels = self.get_base_layer().out_channels
         projection = nn.Conv2d(channels, channels, kernel_size=1, bias=False)
         nn.init.normal_(projection.weight, mean=0.0, std=ADAPTER_INIT_STD)
-        self.lora_residual[adapter_name] = nn.Sequential(
-            nn.BatchNorm2d(channels), nn.Dropout(lora_dropout), projection
-        )
+        self.lora_residual[adapter_name] = nn.Sequential(nn.BatchNorm2d(channels), nn.Dropout(lora_dropout), projection)
         self.lora_dropout_p[adapter_name] = lora_dropout
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters)

@@ -16,9 +16,7 @@ def to_model_input(
     if images_uint8.dtype != torch.uint8:
         raise ValueError(f"expected uint8 images, got {images_uint8.dtype}")
     if len(mean) != images_uint8.shape[1] or len(std) != images_uint8.shape[1]:
-        raise ValueError(
-            f"{images_uint8.shape[1]}-channel images need that many mean/std values, got {mean}/{std}"
-        )
+        raise ValueError(f"{images_uint8.shape[1]}-channel images need that many mean/std values, got {mean}/{std}")
     device = torch.device(device)
     scale, shift = _affine_normalization(tuple(mean), tuple(std), device)
     # Moving uint8 before converting sends a quarter of the bytes to the device.

@@ -90,9 +90,7 @@ def pretraining_split(
     """The labeled images reserved for ``peradapt pretrain`` (never given to clients), and their source."""
     _check_limit(limit_samples)
     if "pretrain" not in _split_shares(dataset):
-        raise DataError(
-            f"{dataset} has no pretraining split: pass --weights FILE (e.g. ImageNet weights) to train"
-        )
+        raise DataError(f"{dataset} has no pretraining split: pass --weights FILE (e.g. ImageNet weights) to train")
     source = load_source(dataset, data_dir, download)
     splits = _source_splits(source, limit_samples)
     return source.train.subset(splits.pretrain), source
@@ -170,9 +168,7 @@ def _split_shares(dataset: str) -> dict[str, Fraction]:
     shares = _SPLIT_SHARES.get(dataset)
     if shares is None:
         if dataset in SOURCE_NAMES:
-            raise ConfigError(
-                f"{dataset} cannot be federated (no test split); use one of {', '.join(_SPLIT_SHARES)}"
-            )
+            raise ConfigError(f"{dataset} cannot be federated (no test split); use one of {', '.join(_SPLIT_SHARES)}")
         raise ConfigError(f"unknown dataset {dataset!r}: use one of {', '.join(_SPLIT_SHARES)}")
     return shares
 
@@ -224,9 +220,7 @@ def _kd_images(
     )
 
 
-def _client_record(
-    client: ClientData, pool_labels: np.ndarray, test_labels: np.ndarray, num_classes: int
-) -> dict:
+def _client_record(client: ClientData, pool_labels: np.ndarray, test_labels: np.ndarray, num_classes: int) -> dict:
     return {
         "id": client.client_id,
         "train": client.train_indices.tolist(),
@@ -252,9 +246,7 @@ def _saved_parts(
         train_parts = [np.asarray(client["train"], dtype=np.int64) for client in clients]
         test_parts = [np.asarray(client["test"], dtype=np.int64) for client in clients]
     except (KeyError, TypeError, ValueError) as err:
-        raise DataError(
-            f"the saved partition is malformed ({err!r}); delete partition.json to start anew"
-        ) from err
+        raise DataError(f"the saved partition is malformed ({err!r}); delete partition.json to start anew") from err
     if len(clients) != num_clients:
         raise DataError(f"the saved partition has {len(clients)} clients, but --clients is {num_clients}")
     _check_saved_indices(train_parts, pool_size, "train")
@@ -265,8 +257,6 @@ def _saved_parts(
 def _check_saved_indices(parts: list[np.ndarray], size: int, kind: str) -> None:
     every = np.concatenate(parts) if parts else np.empty(0, np.int64)
     if every.size and (every.min() < 0 or every.max() >= size):
-        raise DataError(
-            f"the saved partition has {kind} indices outside 0..{size - 1}: it belongs to other data"
-        )
+        raise DataError(f"the saved partition has {kind} indices outside 0..{size - 1}: it belongs to other data")
     if len(np.unique(every)) != len(every):
         raise DataError(f"the saved partition gives some {kind} samples to more than one client")

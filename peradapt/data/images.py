@@ -26,15 +26,10 @@ class ImageSet:
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+            raise ValueError(f"images must be uint8 [N, C, H, W], got {self.images.dtype} {list(self.images.shape)}")
+        if self.labels is not None and (self.labels.dtype != torch.int64 or self.labels.shape != (len(self.images),)):
             raise ValueError(
-                f"images must be uint8 [N, C, H, W], got {self.images.dtype} {list(self.images.shape)}"
-            )
-        if self.labels is not None and (
-            self.labels.dtype != torch.int64 or self.labels.shape != (len(self.images),)
-        ):
-            raise ValueError(
-                f"labels must be int64 [{len(self.images)}], "
-                f"got {self.labels.dtype} {list(self.labels.shape)}"
+                f"labels must be int64 [{len(self.images)}], got {self.labels.dtype} {list(self.labels.shape)}"
             )
 
     def __len__(self) -> int:
@@ -50,9 +45,7 @@ def resize_images(images: torch.Tensor, size: int, channels: int) -> torch.Tenso
     """Resize uint8 ``[N, C, H, W]`` images to ``size``×``size`` with ``channels`` channels (1 or 3)."""
     source_channels = images.shape[1]
     if (source_channels, channels) not in {(1, 1), (3, 3), (1, 3), (3, 1)}:
-        raise ConfigError(
-            f"cannot convert {source_channels}-channel images to {channels} channels (use 1 or 3)"
-        )
+        raise ConfigError(f"cannot convert {source_channels}-channel images to {channels} channels (use 1 or 3)")
     if images.shape[2:] == (size, size) and source_channels == channels:
         return images
     return torch.cat([_resize_chunk(chunk, size, channels) for chunk in images.split(_RESIZE_CHUNK)])
@@ -64,9 +57,7 @@ def _resize_chunk(images: torch.Tensor, size: int, channels: int) -> torch.Tenso
         weights = pixels.new_tensor(_LUMA_WEIGHTS).view(1, 3, 1, 1)
         pixels = (pixels * weights).sum(dim=1, keepdim=True)
     if pixels.shape[2:] != (size, size):
-        pixels = F.interpolate(
-            pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True
-        )
+        pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
     resized = pixels.round_().clamp_(0, 255).to(torch.uint8)
     if resized.shape[1] == 1 and channels == 3:
         # Grey to colour by repetition: the backbone then sees the same intensity in every channel.

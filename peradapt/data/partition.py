@@ -58,8 +58,7 @@ def partition_labels(
         raise ConfigError(f"--clients must be at least 1, got {num_clients}")
     if len(labels) < num_clients:
         raise DataError(
-            f"{num_clients} clients need at least {num_clients} samples; "
-            f"there are {len(labels)} (lower --clients)"
+            f"{num_clients} clients need at least {num_clients} samples; there are {len(labels)} (lower --clients)"
         )
     if spec.kind == "iid":
         parts = np.array_split(rng.permutation(len(labels)), num_clients)
@@ -152,9 +151,7 @@ def split_test_like_train(
         bounds = np.concatenate([[0], np.cumsum(_largest_remainder_quotas(len(members), weights))])
         for client in range(len(train_parts)):
             parts[client].append(members[bounds[client] : bounds[client + 1]])
-    return [
-        np.sort(np.concatenate(part)).astype(np.int64) if part else np.empty(0, np.int64) for part in parts
-    ]
+    return [np.sort(np.concatenate(part)).astype(np.int64) if part else np.empty(0, np.int64) for part in parts]
 
 
 def _largest_remainder_quotas(total: int, weights: np.ndarray) -> np.ndarray:
@@ -168,7 +165,4 @@ def _largest_remainder_quotas(total: int, weights: np.ndarray) -> np.ndarray:
 def label_histograms(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int) -> list[list[int]]:
     """Per client, how many of its samples carry each label (plain ints, ready for JSON)."""
     labels = np.asarray(labels)
-    return [
-        np.bincount(labels[np.asarray(part, dtype=np.int64)], minlength=num_classes).tolist()
-        for part in parts
-    ]
+    return [np.bincount(labels[np.asarray(part, dtype=np.int64)], minlength=num_classes).tolist() for part in parts]

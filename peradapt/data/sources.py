@@ -63,9 +63,7 @@ def read_idx(path: Path) -> np.ndarray:
 def _read_idx_cached(path: Path, size: int, mtime_ns: int) -> np.ndarray:
     raw = _read_maybe_gzip(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE or raw[3] == 0:
-        raise DataError(
-            f"{path} is not an unsigned-byte IDX file (bad magic number); replace it with a good copy"
-        )
+        raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic number); replace it with a good copy")
     ndim = raw[3]
     header_size = 4 + 4 * ndim
     if len(raw) < header_size:
@@ -169,12 +167,8 @@ class _CifarKind:
 
 
 _CIFAR_KINDS = {
-    "cifar10": _CifarKind(
-        "CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-    ),
-    "cifar100": _CifarKind(
-        "CIFAR100", "cifar-100-python", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
-    ),
+    "cifar10": _CifarKind("CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": _CifarKind("CIFAR100", "cifar-100-python", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 
 

@@ -17,7 +17,9 @@ from peradapt.federation.local import LocalTrainer
 
 def summary(values: Sequence[float]) -> dict[str, float]:
     array = np.asarray(values, dtype=float)
-    return {"mean": float(array.mean()), "std": float(array.std())} if len(array) else {"mean": float("nan"), "std": 0.0}
+    return (
+        {"mean": float(array.mean()), "std": float(array.std())} if len(array) else {"mean": float("nan"), "std": 0.0}
+    )
 
 
 def evaluate_adapters(

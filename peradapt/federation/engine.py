@@ -72,7 +72,9 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     global_state, history = session.initial, []
     if checkpoint is not None:
         tensors, meta = checkpoint
-        global_state = {k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)}
+        global_state = {
+            k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)
+        }
         session.store.load_tensors(tensors, session.device)
         history = meta["metrics"]
     start = len(history)
@@ -110,7 +112,7 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
                 evaluation = evaluate_adapters(
                     session.trainer,
-                    lambda c: method.personalized(c, global_state),
+                    lambda c, w=global_state: method.personalized(c, w),
                     global_state,
                     data.clients,
                     data.global_test,
@@ -152,7 +154,7 @@ def _finish(session: Session, global_state: dict, paths: RunPaths, console: Cons
         bar = progress.add_task("final evaluation", total=len(data.clients))
         evaluation = evaluate_adapters(
             session.trainer,
-            lambda c: method.personalized(c, global_state),
+            lambda c, w=global_state: method.personalized(c, w),
             global_state,
             data.clients,
             data.global_test,
