@@ -183,6 +183,9 @@ def _read_info(weights_path: Path) -> BackboneInfo | None:
 
 def _timm_cached_weights(name: str, num_classes: int, in_chans: int) -> nn.Module | None:
     """ImageNet weights when timm/HF already has them on disk; nothing is downloaded here."""
+    # timm hands out a randomly initialised model, with only a log warning, for names without pretrained weights.
+    if not (timm.list_pretrained(name) or timm.list_pretrained(f"{name}.*")):
+        return None
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:

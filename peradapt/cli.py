@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from peradapt.config import TrainConfig, read_config_file
-from peradapt.errors import PeradaptError
+from peradapt.errors import ConfigError, PeradaptError
 
 app = typer.Typer(
     help="Personalized federated learning with adapters (PerAda and friends) on frozen pretrained backbones.",
@@ -21,7 +21,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out_console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # paths and messages stay on one line in logs
 
 _DEFAULTS = TrainConfig().to_flat()
 
@@ -120,7 +120,7 @@ def train(
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
     if resume:
         if "out" not in overrides:
-            raise typer.BadParameter("--resume needs --out: the run directory to continue", param_hint="--resume")
+            raise ConfigError("--resume needs --out: the run directory to continue")
         train_config = resume_config(Path(overrides["out"]), overrides)
     else:
         values: dict[str, Any] = read_config_file(config) if config else {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,8 @@ from peradapt.data import (
     to_model_input,
 )
 from peradapt.errors import ConfigError, DataError
+
+from .conftest import idx_bytes
 
 HAS_DEBIAN_FMNIST = (sources.DEBIAN_FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not HAS_DEBIAN_FMNIST, reason="needs `apt-get install dataset-fashion-mnist`")
@@ -169,14 +170,6 @@ def test_label_histograms_are_plain_ints() -> None:
 
 
 # ---------------------------------------------------------------- Fashion-MNIST IDX files
-
-
-def idx_bytes(array: np.ndarray) -> bytes:
-    return (
-        struct.pack(">BBBB", 0, 0, 0x08, array.ndim)
-        + struct.pack(f">{array.ndim}I", *array.shape)
-        + (array.astype(np.uint8).tobytes())
-    )
 
 
 def write_idx_dir(directory: Path, *, gz: bool, seed: int = 0) -> dict[str, np.ndarray]:

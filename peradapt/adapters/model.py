@@ -7,6 +7,7 @@ clients copies such a dict into the shared model; the backbone is never copied.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -86,6 +87,13 @@ class AdaptedModel:
         """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained."""
         self.load_state(state)
         self.module.save_pretrained(str(directory))
+        # PEFT writes target_modules from a set, in an order that changes with Python's hash seed; sorted, the
+        # same adapter always gives the same bytes (resumed and uninterrupted runs compare equal file by file).
+        config_path = Path(directory) / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        if isinstance(config.get("target_modules"), list):
+            config["target_modules"] = sorted(config["target_modules"])
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
     def load_pretrained(self, directory: Path) -> AdapterState:
         """The state of an adapter saved in PEFT layout (by `save_pretrained` or any PEFT code)."""

@@ -65,9 +65,10 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         checkpoint = None
     console.print(f"backbone weights: {session.backbone.source}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": session.resolved()})
+    # config.json marks a run directory, so it comes last: a run killed here always has its partition.
     if not resume:
         write_json_atomic(paths.partition, session.data.partition)
+    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": session.resolved()})
 
     global_state, history = session.initial, []
     if checkpoint is not None:

@@ -30,9 +30,11 @@ class ClientStore:
         return flat
 
     def load_tensors(self, flat: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Restore from a checkpoint's tensors, ignoring those that are not client state (e.g. `global/...`)."""
         grouped: dict[tuple[int, str], AdapterState] = {}
+        prefix = "clients" + _SEPARATOR
         for full_name, tensor in flat.items():
-            prefix, client_id, key, name = full_name.split(_SEPARATOR, 3)
-            if prefix == "clients":
+            if full_name.startswith(prefix):
+                client_id, key, name = full_name[len(prefix) :].split(_SEPARATOR, 2)
                 grouped.setdefault((int(client_id), key), {})[name] = tensor
         self._states = {slot: state_to(state, device) for slot, state in grouped.items()}

@@ -1,0 +1,31 @@
+# `make demo`: install, make a backbone offline, run PerAda on Fashion-MNIST (a few minutes on 2 CPU cores).
+# `make test`: install what the tests need and run the whole suite (what CI runs).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+DEMO_RUN ?= runs/demo
+
+.PHONY: install install-test fmnist demo test lint
+
+install:
+	$(PIP) install -e .
+
+install-test:
+	$(PIP) install -e '.[test]'
+
+# Debian packages Fashion-MNIST; elsewhere pass --data-dir to a directory holding the IDX files.
+fmnist:
+	@test -f $(FMNIST) || $(SUDO) apt-get install -y dataset-fashion-mnist \
+		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist)
+
+demo: install fmnist
+	peradapt pretrain --data fmnist --backbone resnet18_w16 --epochs 2
+	rm -rf $(DEMO_RUN)
+	peradapt train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+lint: install-test
+	ruff check . && ruff format --check .

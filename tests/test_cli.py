@@ -1,0 +1,320 @@
+"""The command line end to end on a tiny federation: train, eval, info, export, resume, and every user mistake."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+
+import peradapt.federation.engine as engine
+from peradapt.cli import main
+from peradapt.federation.session import build_session, read_partition, read_run_config
+
+from .conftest import TINY_BACKBONE
+
+
+def tiny_args(fmnist_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        *("--data", "fmnist", "--data-dir", str(fmnist_dir), "--backbone", TINY_BACKBONE),
+        *("--clients", "4", "--clients-per-round", "2", "--rounds", "3", "--partition", "dir:0.5"),
+        *("--local-epochs", "1", "--personal-epochs", "1", "--lr", "0.05", "--batch-size", "32"),
+        *("--kd-steps", "4", "--kd-batch-size", "32", "--eval-every", "2", "--device", "cpu"),
+        *("--out", str(out)),
+        *extra,
+    ]
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["peradapt", *args])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_files(run: Path) -> dict[str, bytes]:
+    """Every file a run leaves, by relative path (the results a user would compare)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def results(run: Path) -> dict[str, bytes]:
+    """What `train` wrote, but for the run directory's own name in config.json."""
+    files = {name: data for name, data in run_files(run).items() if name not in ("config.json", "eval.json")}
+    config = json.loads((run / "config.json").read_text())
+    config["config"]["out"] = None
+    files["config.json"] = json.dumps(config).encode()
+    return files
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, pretrained_home, fmnist_dir):
+    """One uninterrupted tiny PerAda run, shared by the tests that only read it."""
+    run = tmp_path_factory.mktemp("runs") / "full"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PERADAPT_HOME", str(pretrained_home))
+        patch.setattr(sys, "argv", ["peradapt", *tiny_args(fmnist_dir, run)])
+        main()
+    return run
+
+
+# ---------------------------------------------------------------- a run directory
+
+
+def test_train_writes_a_complete_run_directory(finished_run):
+    files = run_files(finished_run)
+    for client in range(4):
+        assert f"clients/{client}/adapter_config.json" in files
+        assert f"clients/{client}/adapter_model.safetensors" in files
+    assert {"global/adapter_model.safetensors", "config.json", "partition.json", "report.json"} <= files.keys()
+    assert [name for name in files if name.startswith("checkpoints/")] == ["checkpoints/round-00003.safetensors"]
+
+    saved = json.loads(files["config.json"])
+    assert saved["config"]["federation"]["rounds"] == 3
+    assert saved["config"]["seed"] == 0
+    assert {"torch", "peft", "timm", "python"} <= saved["resolved"]["versions"].keys()
+    assert saved["resolved"]["weights"].endswith(f"fmnist-{TINY_BACKBONE}.safetensors")
+
+    metrics = [json.loads(line) for line in files["metrics.jsonl"].decode().splitlines()]
+    assert [m["round"] for m in metrics] == [1, 2, 3]
+    assert all(len(m["clients"]) == 2 and "kd_val_after" in m for m in metrics)
+    assert "personalized_local_test" in metrics[1] and "personalized_local_test" not in metrics[0]
+
+    report = json.loads(files["report.json"])
+    assert report["clients"] == [0, 1, 2, 3]
+    for adapter, metric in [("personalized", "local_test"), ("personalized", "global_test"), ("global", "local_test")]:
+        entry = report[adapter][metric]
+        assert len(entry["per_client"]) == 4
+        assert entry["mean"] == pytest.approx(sum(entry["per_client"]) / 4)
+    # The stripe task is easy: three short rounds already beat chance (10%) by far.
+    assert report["summary"]["personalized_local_test"] > 0.5
+    assert report["summary"]["global_global_test"] > 0.3
+
+
+def test_partition_json_describes_the_clients(finished_run):
+    partition = json.loads((finished_run / "partition.json").read_text())
+    assert partition["spec"] == "dir:0.5"
+    train = [i for client in partition["clients"] for i in client["train"]]
+    assert len(train) == len(set(train))  # every pool image belongs to one client at most
+    for client in partition["clients"]:
+        assert sum(client["train_histogram"]) == len(client["train"])
+
+
+def test_eval_recomputes_the_reported_accuracies(finished_run, capsys, monkeypatch, home):
+    code, out, err = run_cli(["eval", "--run", str(finished_run)], capsys, monkeypatch)
+    assert code == 0, err
+    assert "local-test" in out and "global-test" in out
+    evaluation = json.loads((finished_run / "eval.json").read_text())
+    report = json.loads((finished_run / "report.json").read_text())
+    assert evaluation["personalized"]["local_test"] == pytest.approx(report["personalized"]["local_test"]["per_client"])
+    assert evaluation["global"]["global_test"] == pytest.approx(report["global"]["global_test"])
+
+
+def test_info_prints_config_partition_and_trainable_count(finished_run, capsys, monkeypatch, home):
+    code, out, err = run_cli(["info", "--run", str(finished_run)], capsys, monkeypatch)
+    assert code == 0, err
+    resolved = json.loads((finished_run / "config.json").read_text())["resolved"]
+    assert f"trainable parameters: {resolved['trainable_parameters']:,}" in out
+    assert "label skew" in out and "dir:0.5" in out
+
+
+def test_exported_client_loads_with_plain_peft_to_the_same_logits(finished_run, tmp_path, capsys, monkeypatch, home):
+    code, _, err = run_cli(["export", "--run", str(finished_run), "--out", str(tmp_path / "x")], capsys, monkeypatch)
+    assert code == 0, err
+    backbone = timm.create_model(TINY_BACKBONE, num_classes=10, in_chans=1)
+    backbone.load_state_dict(load_file(str(tmp_path / "x" / "backbone.safetensors")))
+    plain = PeftModel.from_pretrained(backbone, str(tmp_path / "x" / "clients" / "2")).eval()
+
+    config, _ = read_run_config(finished_run)
+    session = build_session(config, read_partition(finished_run))
+    state = session.model.load_pretrained(finished_run / "clients" / "2")
+    images = session.data.clients[2].test.images[:16]
+    expected = session.trainer.logits(state, session.data.clients[2].test.subset(torch.arange(16)))
+    with torch.no_grad():
+        actual = plain(session.trainer.inputs(images))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_adapters_and_perada_nokd_run_end_to_end(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "lora"
+    args = tiny_args(fmnist_dir, run, "--adapter", "lora", "--method", "perada-nokd", "--rounds", "1")
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    assert "perada-nokd" in out
+    adapter_config = json.loads((run / "clients" / "0" / "adapter_config.json").read_text())
+    assert adapter_config["peft_type"] == "LORA" and adapter_config["init_lora_weights"] is True
+    metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "kd_loss" not in metrics
+
+
+def test_config_file_takes_the_flag_names_and_flags_win(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    config_file = tmp_path / "settings.yaml"
+    config_file.write_text("rounds: 2\nclients-per-round: 1\nkd_steps: 2\n")
+    run = tmp_path / "from-file"
+    args = [*tiny_args(fmnist_dir, run, "--config", str(config_file)), "--rounds", "1"]
+    args.remove("--clients-per-round")
+    args.remove("2")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    saved = json.loads((run / "config.json").read_text())["config"]
+    assert saved["federation"]["rounds"] == 1  # the flag beats the file
+    assert saved["federation"]["clients_per_round"] == 1  # from the file
+    assert saved["distill"]["kd_steps"] == 4  # the flag again
+
+
+# ---------------------------------------------------------------- resume
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_crash_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "crashed"
+    save_round = engine._save_round
+
+    def save_then_crash(session, global_state, history, paths):
+        save_round(session, global_state, history, paths)
+        if len(history) == 2:
+            raise Crash
+
+    monkeypatch.setattr(engine, "_save_round", save_then_crash)
+    with pytest.raises(Crash):
+        run_cli(tiny_args(fmnist_dir, run), capsys, monkeypatch)
+    assert not (run / "report.json").exists()
+    monkeypatch.setattr(engine, "_save_round", save_round)
+
+    code, _, err = run_cli(tiny_args(fmnist_dir, run, "--resume"), capsys, monkeypatch)
+    assert code == 0, err
+    assert "resuming" in err and "after round 2" in err
+    assert results(run) == results(finished_run)
+
+
+def test_kill_9_then_resume_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, home):
+    run = tmp_path / "killed"
+    command = [sys.executable, "-c", "from peradapt.cli import main; main()", *tiny_args(fmnist_dir, run)]
+    environment = {**os.environ, "PERADAPT_HOME": str(home)}
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "round-00001.safetensors").exists() and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = subprocess.run(
+        [*command, "--resume"], env=environment, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert results(run) == results(finished_run)
+
+
+def test_resume_refuses_changed_settings(finished_run, capsys, monkeypatch, home):
+    args = ["train", "--out", str(finished_run), "--resume", "--lr", "0.5"]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 2
+    assert "lr" in err and "--resume" in err
+
+
+# ---------------------------------------------------------------- user mistakes
+
+
+def expect_user_error(args, capsys, monkeypatch, *needles: str) -> str:
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 2, err
+    errors = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.strip().endswith(errors[0]), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--data", "mnist2"], ["mnist2", "fmnist"]),
+        (["--method", "fedsomething"], ["fedsomething", "perada-nokd"]),
+        (["--partition", "dir:abc"], ["dir:abc", "iid"]),
+        (["--clients-per-round", "9"], ["--clients-per-round", "--clients"]),
+        (["--clients", "5000", "--clients-per-round", "2"], ["--clients"]),
+        (["--adapter", "prefix"], ["prefix"]),
+        (["--backbone", "not_a_model"], ["not_a_model"]),
+        (["--kd-data", "imagenet"], ["imagenet"]),
+        (["--limit-samples", "0"], ["--limit-samples"]),
+    ],
+)
+def test_bad_training_settings_exit_2_in_one_line_and_write_nothing(
+    extra, needles, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    run = tmp_path / "run"
+    expect_user_error(tiny_args(fmnist_dir, run, *extra), capsys, monkeypatch, *needles)
+    assert not run.exists()
+
+
+def test_missing_weights_say_to_run_pretrain(tmp_path, fmnist_dir, capsys, monkeypatch):
+    monkeypatch.setenv("PERADAPT_HOME", str(tmp_path / "empty-home"))
+    run = tmp_path / "run"
+    expect_user_error(tiny_args(fmnist_dir, run), capsys, monkeypatch, "peradapt pretrain", "--weights")
+    assert not run.exists()
+
+
+def test_weights_of_another_backbone_are_refused(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    other = timm.create_model("resnet10_w8", num_classes=10, in_chans=1)
+    save_file(other.state_dict(), str(tmp_path / "other.safetensors"))
+    run = tmp_path / "run"
+    args = tiny_args(fmnist_dir, run, "--weights", str(tmp_path / "other.safetensors"))
+    expect_user_error(args, capsys, monkeypatch, "other.safetensors")
+    assert not run.exists()
+
+
+def test_a_pickle_is_never_loaded_as_weights(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"conv1.weight": Boom()}, tmp_path / "weights.pt")
+    run = tmp_path / "run"
+    args = tiny_args(fmnist_dir, run, "--weights", str(tmp_path / "weights.pt"))
+    expect_user_error(args, capsys, monkeypatch, "weights.pt", "safetensors")
+    assert not (tmp_path / "pwned").exists()
+    assert not run.exists()
+
+
+def test_missing_data_says_where_to_get_it(tmp_path, capsys, monkeypatch, home):
+    from peradapt.data import sources
+
+    monkeypatch.setattr(sources, "DEBIAN_FMNIST_DIR", tmp_path / "not-installed")
+    run = tmp_path / "run"
+    expect_user_error(tiny_args(tmp_path / "nowhere", run), capsys, monkeypatch, "apt-get install", "--data-dir")
+    assert not run.exists()
+
+
+def test_existing_run_is_not_overwritten(finished_run, fmnist_dir, capsys, monkeypatch, home):
+    before = run_files(finished_run)
+    expect_user_error(tiny_args(fmnist_dir, finished_run), capsys, monkeypatch, "--resume")
+    assert run_files(finished_run) == before
+
+
+def test_resume_without_a_run(tmp_path, capsys, monkeypatch, home):
+    expect_user_error(["train", "--out", str(tmp_path / "none"), "--resume"], capsys, monkeypatch, "config.json")
+    expect_user_error(["train", "--resume"], capsys, monkeypatch, "--out")
+    expect_user_error(["eval", "--run", str(tmp_path)], capsys, monkeypatch, "not a peradapt run")
+
+
+def test_diverging_training_stops_with_advice(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    args = tiny_args(fmnist_dir, tmp_path / "run", "--lr", "1e12", "--rounds", "1")
+    expect_user_error(args, capsys, monkeypatch, "--lr")
