@@ -27,7 +27,7 @@ _DEFAULTS = TrainConfig().to_flat()
 
 
 def _default(key: str) -> str:
-    return f"[default: {_DEFAULTS[key]}]"
+    return f"\\[default: {_DEFAULTS[key]}]"  # escaped: rich would read [..] as markup
 
 
 Opt = typer.Option
@@ -44,7 +44,7 @@ def pretrain(
     limit_samples: Annotated[int | None, Opt(help="Use at most this many images (smoke runs).")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
     download: Annotated[bool, Opt(help="Download the dataset if missing (needs a network).")] = False,
-    out: Annotated[Path | None, Opt(help="Weights file to write [default: the store `train` looks in].")] = None,
+    out: Annotated[Path | None, Opt(help="Weights file to write \\[default: the store `train` looks in].")] = None,
     seed: Annotated[int, Opt(help="Random seed.")] = 0,
     device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
@@ -75,7 +75,7 @@ def train(
     clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
     method: Annotated[str | None, Opt(help=f"perada or perada-nokd. {_default('method')}")] = None,
     backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
-    weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) [default: from `pretrain`].")] = None,
+    weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) \\[default: from `pretrain`].")] = None,
     adapter: Annotated[str | None, Opt(help="residual (PerAda's, default for ResNets) or lora.")] = None,
     adapter_dropout: Annotated[
         float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")
@@ -108,7 +108,7 @@ def train(
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
     download: Annotated[bool | None, Opt("--download", help="Download missing datasets (needs a network).")] = None,
-    out: Annotated[Path | None, Opt(help="Run directory [default: runs/DATA-METHOD-seedSEED].")] = None,
+    out: Annotated[Path | None, Opt(help="Run directory \\[default: runs/DATA-METHOD-seedSEED].")] = None,
     resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:

@@ -111,21 +111,26 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
-                evaluation = evaluate_adapters(
-                    session.trainer,
-                    lambda c, w=global_state: method.personalized(c, w),
-                    global_state,
-                    data.clients,
-                    data.global_test,
-                    personalized_global_test=False,
-                )
-                record.update(summarize(evaluation))
+                record.update(summarize(_evaluate(session, global_state, personalized_global_test=False)))
             history.append(record)
             _save_round(session, global_state, history, paths)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
             if not console.is_terminal:  # logs and CI get one line per round instead of a live display
                 console.print(_round_description(record))
     return global_state
+
+
+def _evaluate(session: Session, global_state: dict, **options) -> dict:
+    """Every client's personalized adapter and the global adapter on the clients' test data."""
+    method, data = session.method, session.data
+    return evaluate_adapters(
+        session.trainer,
+        lambda c: method.personalized(c, global_state),
+        global_state,
+        data.clients,
+        data.global_test,
+        **options,
+    )
 
 
 def _mean_client_metrics(updates: list) -> dict[str, float]:
@@ -150,17 +155,11 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
 
 
 def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console) -> dict:
-    data, method = session.data, session.method
+    data = session.data
     with progress_display(console) as progress:
         bar = progress.add_task("final evaluation", total=len(data.clients))
-        evaluation = evaluate_adapters(
-            session.trainer,
-            lambda c, w=global_state: method.personalized(c, w),
-            global_state,
-            data.clients,
-            data.global_test,
-            personalized_global_test=True,
-            on_client=lambda: progress.advance(bar),
+        evaluation = _evaluate(
+            session, global_state, personalized_global_test=True, on_client=lambda: progress.advance(bar)
         )
     export_adapters(session, global_state, paths.root)
     report = build_report(session, evaluation)
