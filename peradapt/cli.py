@@ -13,6 +13,7 @@ from rich.table import Table
 
 from peradapt.config import TrainConfig, read_config_file
 from peradapt.errors import ConfigError, PeradaptError
+from peradapt.personalize import METHODS
 
 app = typer.Typer(
     help="Personalized federated learning with adapters (PerAda and friends) on frozen pretrained backbones.",
@@ -73,7 +74,7 @@ def pretrain(
 def train(
     data: Annotated[str | None, Opt(help=f"Dataset: fmnist, cifar10, cifar100. {_default('data')}")] = None,
     clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
-    method: Annotated[str | None, Opt(help=f"perada or perada-nokd. {_default('method')}")] = None,
+    method: Annotated[str | None, Opt(help=f"{' | '.join(METHODS)}. {_default('method')}")] = None,
     backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
     weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) \\[default: from `pretrain`].")] = None,
     adapter: Annotated[str | None, Opt(help="residual (PerAda's, default for ResNets) or lora.")] = None,
@@ -81,6 +82,12 @@ def train(
         float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")
     ] = None,
     lora_rank: Annotated[int | None, Opt(help=f"LoRA rank for --adapter lora. {_default('lora_rank')}")] = None,
+    scope: Annotated[
+        str | None, Opt(help="adapter (frozen backbone) or full (whole network) \\[default: the method's]")
+    ] = None,
+    personal_part: Annotated[
+        str | None, Opt(help="Partial-model methods: bn, head, input, output or adapter \\[default: the method's]")
+    ] = None,
     partition: Annotated[str | None, Opt(help=f"dir:ALPHA, iid or classes:K. {_default('partition')}")] = None,
     rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,
     clients_per_round: Annotated[
@@ -90,8 +97,17 @@ def train(
     personal_epochs: Annotated[
         int | None, Opt(help=f"Epochs S on the personalized adapter. {_default('personal_epochs')}")
     ] = None,
-    lam: Annotated[float | None, Opt(help=f"Proximal strength λ towards the global adapter. {_default('lam')}")] = None,
+    lam: Annotated[
+        str | None,
+        Opt(
+            help=f"Proximal strength λ towards the global model, or auto (personalized-FedProx rule). {_default('lam')}"
+        ),
+    ] = None,
     lr: Annotated[float | None, Opt(help=f"Client SGD learning rate. {_default('lr')}")] = None,
+    personal_lr: Annotated[float | None, Opt(help="Learning rate of personalized models \\[default: --lr].")] = None,
+    ft_epochs: Annotated[int | None, Opt(help=f"fedavg-ft: fine-tuning epochs. {_default('ft_epochs')}")] = None,
+    inner_steps: Annotated[int | None, Opt(help=f"pFedMe/pFedBreD inner steps K. {_default('inner_steps')}")] = None,
+    beta: Annotated[float | None, Opt(help=f"pFedMe/pFedBreD server step β. {_default('beta')}")] = None,
     batch_size: Annotated[int | None, Opt(help=f"Client minibatch size. {_default('batch_size')}")] = None,
     server_lr: Annotated[float | None, Opt(help=f"Distillation Adam learning rate. {_default('server_lr')}")] = None,
     kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,

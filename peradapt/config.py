@@ -49,11 +49,18 @@ class FederationConfig:
 @dataclass
 class MethodConfig:
     method: str = "perada"
+    scope: str | None = None  # adapter or full; None: the method's own default
+    personal_part: str | None = None  # partial-model methods: bn, head, input, output or adapter
     local_epochs: int = 10
     personal_epochs: int = 10
     lam: float = 1.0
+    lam_auto: bool = False  # `--lam auto`: the personalized-FedProx rule chooses lam from heterogeneity
     lr: float = 0.01
+    personal_lr: float | None = None  # None: --lr
     batch_size: int = 64
+    ft_epochs: int = 1  # fedavg-ft: fine-tuning epochs before evaluation
+    inner_steps: int = 3  # K: inner steps of pFedMe / pFedBreD
+    beta: float = 1.0  # server step size of pFedMe / pFedBreD
 
 
 @dataclass
@@ -95,6 +102,9 @@ class TrainConfig:
             key = key.replace("-", "_")
             if key not in _FLAT_FIELDS:
                 raise ConfigError(f"unknown setting '{key}'; known settings: {', '.join(sorted(_FLAT_FIELDS))}")
+            if key == "lam" and isinstance(value, str) and value.strip().lower() == "auto":
+                config.method.lam_auto = True
+                continue
             section = _FLAT_FIELDS[key]
             target = getattr(config, section) if section else config
             setattr(target, key, _coerce(key, value, _field_types[key]))
@@ -128,6 +138,8 @@ class TrainConfig:
             "personal_epochs": method.personal_epochs,
             "kd_steps": distill.kd_steps,
             "lam": method.lam,
+            "ft_epochs": method.ft_epochs,
+            "inner_steps": method.inner_steps,
             "eval_every": fed.eval_every,
         }
         for name, value in non_negative.items():
@@ -138,6 +150,12 @@ class TrainConfig:
                 f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
                 "lower --clients-per-round or raise --clients"
             )
+        if method.scope not in (None, "adapter", "full"):
+            raise ConfigError(f"unknown --scope '{method.scope}': use adapter or full")
+        if method.personal_part not in (None, *PERSONAL_PARTS):
+            raise ConfigError(f"unknown --personal-part '{method.personal_part}': use {', '.join(PERSONAL_PARTS)}")
+        if (method.personal_lr is not None and method.personal_lr <= 0) or method.beta <= 0:
+            raise ConfigError("--personal-lr and --beta must be positive")
         if method.lr <= 0 or distill.server_lr <= 0:
             raise ConfigError("--lr and --server-lr must be positive")
         if distill.kd_temperature <= 0:
@@ -150,6 +168,7 @@ class TrainConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
 
 
+PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
 _SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")
 _TOP_LEVEL = ("seed", "device", "out")
 _SECTION_CLASSES = {

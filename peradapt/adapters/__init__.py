@@ -2,6 +2,7 @@
 
 from peradapt.adapters.model import (
     ADAPTER_KINDS,
+    SCOPES,
     AdaptedModel,
     AdapterState,
     default_adapter_kind,
@@ -13,6 +14,7 @@ from peradapt.adapters.state import average_states, state_nbytes, state_to, stat
 __all__ = [
     "ADAPTER_KINDS",
     "RESIDUAL_INIT",
+    "SCOPES",
     "AdaptedModel",
     "AdapterState",
     "ResidualAdapterLayer",

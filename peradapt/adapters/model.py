@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from timm.models.resnet import BasicBlock
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -24,23 +24,28 @@ from peradapt.backbones import classifier_name
 from peradapt.errors import ConfigError, WeightsError
 
 AdapterState = dict[str, torch.Tensor]
-ADAPTER_KINDS = ("residual", "lora")
+ADAPTER_KINDS = ("residual", "lora", "none")
+SCOPES = ("adapter", "full")
+FULL_MODEL_FILE = "model.safetensors"
 
 
 class AdaptedModel:
-    def __init__(self, peft_model: PeftModel, kind: str) -> None:
-        self.module = peft_model
+    """The shared model and what trains in it: adapters (scope `adapter`) or the whole network (scope `full`)."""
+
+    def __init__(self, module: nn.Module, kind: str, scope: str = "adapter") -> None:
+        self.module = module
         self.kind = kind
-        self._parameters = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+        self.scope = scope
+        self._parameters = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._buffers: dict[str, torch.Tensor] = {}
         self._frozen_norms: list[nn.Module] = []
-        for module_name, module in peft_model.named_modules():
-            owns_trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        for module_name, layer in module.named_modules():
+            owns_trainable = any(p.requires_grad for p in layer.parameters(recurse=False))
             if owns_trainable:
-                for buffer_name, buffer in module.named_buffers(recurse=False):
+                for buffer_name, buffer in layer.named_buffers(recurse=False):
                     self._buffers[f"{module_name}.{buffer_name}"] = buffer
-            elif isinstance(module, _BatchNorm):
-                self._frozen_norms.append(module)
+            elif isinstance(layer, _BatchNorm):
+                self._frozen_norms.append(layer)
 
     @property
     def device(self) -> torch.device:
@@ -54,6 +59,8 @@ class AdaptedModel:
 
     def num_backbone(self) -> int:
         """Parameters of the model a user would run without adapters (PEFT's saved copies excluded)."""
+        if not isinstance(self.module, PeftModel):
+            return sum(p.numel() for p in self.module.parameters())
         base = self.module.get_base_model()
         return sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
 
@@ -84,7 +91,16 @@ class AdaptedModel:
         return self.module(inputs)
 
     def save_pretrained(self, directory: Path, state: AdapterState) -> None:
-        """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained."""
+        """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained.
+
+        A whole trained network (scope `full`) is no adapter: it is saved as one safetensors file of the state.
+        """
+        if self.scope == "full":
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(Path(directory) / FULL_MODEL_FILE)
+            )
+            return
         self.load_state(state)
         self.module.save_pretrained(str(directory))
         # PEFT writes target_modules from a set, in an order that changes with Python's hash seed; sorted, the
@@ -97,6 +113,8 @@ class AdaptedModel:
 
     def load_pretrained(self, directory: Path) -> AdapterState:
         """The state of an adapter saved in PEFT layout (by `save_pretrained` or any PEFT code)."""
+        if self.scope == "full":
+            return self._load_full(Path(directory) / FULL_MODEL_FILE)
         path = Path(directory) / "adapter_model.safetensors"
         if not path.is_file():
             raise WeightsError(f"no adapter at {directory} (missing adapter_model.safetensors)")
@@ -114,9 +132,41 @@ class AdaptedModel:
             raise WeightsError(f"adapter {path} does not fit this model (e.g. {example})")
         return self.state()
 
+    def _load_full(self, path: Path) -> AdapterState:
+        if not path.is_file():
+            raise WeightsError(f"no trained model at {path.parent} (missing {path.name})")
+        try:
+            state = load_file(str(path), device=str(self.device))
+        except (SafetensorError, OSError) as exc:
+            raise WeightsError(f"cannot read {path} ({exc})") from None
+        self.load_state(state)
+        return self.state()
 
-def inject_adapters(backbone: nn.Module, kind: str, *, dropout: float, lora_rank: int) -> AdaptedModel:
-    """Wrap a frozen backbone with PEFT adapters of `kind` (residual: PerAda's; lora: PEFT LoRA)."""
+
+def inject_adapters(
+    backbone: nn.Module, kind: str, *, dropout: float, lora_rank: int, scope: str = "adapter"
+) -> AdaptedModel:
+    """Wrap a frozen backbone with PEFT adapters of `kind` (residual: PerAda's; lora: PEFT LoRA).
+
+    Scope `full` trains the whole network as well (the paper's full-model baselines); kind `none` is only
+    possible there and leaves the network as it is.
+    """
+    if scope not in SCOPES:
+        raise ConfigError(f"unknown --scope '{scope}': use adapter or full")
+    if kind == "none":
+        if scope != "full":
+            raise ConfigError("--adapter none trains nothing with --scope adapter: use --scope full")
+        backbone.requires_grad_(True)
+        return AdaptedModel(backbone, kind, scope)
+    model = get_peft_model(backbone, _peft_config(backbone, kind, dropout, lora_rank))
+    if scope == "full":
+        for name, parameter in model.named_parameters():
+            # PEFT keeps an unused copy of every module it trains a replacement of: that copy stays frozen.
+            parameter.requires_grad_("original_module" not in name)
+    return AdaptedModel(model, kind, scope)
+
+
+def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int) -> LoraConfig:
     head = classifier_name(backbone)
     block_convs = _basic_block_convs(backbone)
     if kind == "residual":
@@ -125,25 +175,23 @@ def inject_adapters(backbone: nn.Module, kind: str, *, dropout: float, lora_rank
                 f"residual adapters need a basic-block ResNet (resnet18, resnet34, resnet10t, ...), "
                 f"not {type(backbone).__name__}: use --adapter lora"
             )
-        config = LoraConfig(
+        return LoraConfig(
             target_modules=block_convs,
             modules_to_save=["bn1", "bn2", head],
             lora_dropout=dropout,
             init_lora_weights=RESIDUAL_INIT,
         )
-    elif kind == "lora":
+    if kind == "lora":
         targets = block_convs or [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
         targets = [t for t in targets if t != head]
-        config = LoraConfig(
+        return LoraConfig(
             target_modules=targets,
             modules_to_save=[head],
             r=lora_rank,
             lora_alpha=lora_rank,
             lora_dropout=dropout,
         )
-    else:
-        raise ConfigError(f"unknown --adapter '{kind}': use one of {', '.join(ADAPTER_KINDS)}")
-    return AdaptedModel(get_peft_model(backbone, config), kind)
+    raise ConfigError(f"unknown --adapter '{kind}': use one of {', '.join(ADAPTER_KINDS)}")
 
 
 def _basic_block_convs(backbone: nn.Module) -> list[str]:

@@ -78,6 +78,8 @@ class Session:
         packages = ("peradapt", "torch", "timm", "peft", "numpy")
         return {
             "adapter": self.adapter_kind,
+            "scope": self.model.scope,
+            "parameter_counts": self.method.parameter_counts(),
             "weights": self.backbone.source,
             "device": str(self.device),
             "num_classes": self.data.num_classes,
@@ -133,8 +135,11 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
     backbone.to(device)
     if device.type == "cuda":
         backbone.to(memory_format=torch.channels_last)
-    kind = config.adapter.adapter or default_adapter_kind(config.backbone.backbone)
-    model = inject_adapters(backbone, kind, dropout=config.adapter.adapter_dropout, lora_rank=config.adapter.lora_rank)
+    scope = config.method.scope or method_cls.default_scope
+    kind = config.adapter.adapter or _default_kind(config, scope)
+    model = inject_adapters(
+        backbone, kind, dropout=config.adapter.adapter_dropout, lora_rank=config.adapter.lora_rank, scope=scope
+    )
     inputs = InputPipeline(
         _per_channel(info.mean, data.channels),
         _per_channel(info.std, data.channels),
@@ -147,8 +152,16 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
         distiller = Distiller(trainer, data.kd, data.val, config.distill)
     store = ClientStore()
     initial = model.state()
-    method = build_method(config.method.method, MethodContext(config.method, trainer, store, initial, distiller))
+    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients)
+    method = build_method(config.method.method, context)
     return Session(config, data, model, trainer, method, store, initial, info, kind, device)
+
+
+def _default_kind(config: TrainConfig, scope: str) -> str:
+    """Full-model training needs no adapter unless the adapter is the personal part (FedAlt/FedSim)."""
+    if scope == "full" and config.method.personal_part != "adapter":
+        return "none"
+    return default_adapter_kind(config.backbone.backbone)
 
 
 def _per_channel(values: tuple[float, ...], channels: int) -> tuple[float, ...]:

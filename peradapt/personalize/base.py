@@ -8,7 +8,7 @@ passes the uploads to `server_update`, evaluates and checkpoints. Private per-cl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,12 +36,14 @@ class MethodContext:
     store: ClientStore
     initial: AdapterState  # the injected adapter before any training: w^0 and every v_m^0
     distiller: Distiller | None
+    clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
 
 
 class Method(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     uses_distillation: ClassVar[bool] = False
+    default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
 
     def __init__(self, context: MethodContext) -> None:
         self.context = context
@@ -66,6 +68,11 @@ class Method(ABC):
     @abstractmethod
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """The adapter client `client_id` is evaluated and exported with."""
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
 
 
 METHODS: dict[str, type[Method]] = {}

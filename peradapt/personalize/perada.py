@@ -67,6 +67,10 @@ class PerAda(Method):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
 
+    def parameter_counts(self) -> dict[str, int]:
+        adapter = self.trainer.model.num_trainable()
+        return {"personalized": adapter, "trained": 2 * adapter, "communicated": adapter}  # v_m and theta_m
+
 
 @register
 class PerAdaNoKD(PerAda):
