@@ -67,32 +67,45 @@ class LocalTrainer:
         With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
         (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss.
         """
-        assert data.labels is not None, "training data must be labeled"
         model = self.model
         model.load_state(start)
         model.train()
         parameters = model.trainable_parameters()
         optimizer = torch.optim.SGD(parameters.values(), lr=lr)
-        generator = seeded_generator(seed)
         total_loss, batches = 0.0, 0
+        for images, labels in self.minibatches(data, epochs=epochs, seed=seed):
+            loss = self.loss(images, labels, lr)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if anchor is not None and lam > 0:
+                with torch.no_grad():
+                    for name, parameter in parameters.items():
+                        parameter.grad.add_(parameter - anchor[name], alpha=lam)
+            optimizer.step()
+            total_loss += loss.item()
+            batches += 1
+        return model.state(), total_loss / max(batches, 1)
+
+    def minibatches(self, data: ImageSet, *, epochs: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Shuffled, augmented (images, labels) batches on the model's device for `epochs` passes.
+
+        The order, the augmentation and dropout all follow `seed`. Methods with their own update rules
+        (pFedMe, APFL, ...) loop over these and call `loss`, with the model in training mode.
+        """
+        assert data.labels is not None, "training data must be labeled"
+        generator = seeded_generator(seed)
         for _ in range(epochs):
             for batch in iterate_minibatches(len(data), self.batch_size, generator):
                 images = self.inputs(data.images[batch], generator)
-                labels = data.labels[batch].to(self.inputs.device, non_blocking=True)
-                with self.inputs.autocast():
-                    loss = F.cross_entropy(model(images), labels)
-                if not torch.isfinite(loss):
-                    raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if anchor is not None and lam > 0:
-                    with torch.no_grad():
-                        for name, parameter in parameters.items():
-                            parameter.grad.add_(parameter - anchor[name], alpha=lam)
-                optimizer.step()
-                total_loss += loss.item()
-                batches += 1
-        return model.state(), total_loss / max(batches, 1)
+                yield images, data.labels[batch].to(self.inputs.device, non_blocking=True)
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float) -> torch.Tensor:
+        """Cross-entropy of the model as it is loaded; stops the run if it is no longer finite."""
+        with self.inputs.autocast():
+            loss = F.cross_entropy(self.model(images), labels)
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
+        return loss
 
     @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later
     def logits(self, state: AdapterState, data: ImageSet) -> torch.Tensor:
