@@ -107,7 +107,21 @@ def train(
     personal_lr: Annotated[float | None, Opt(help="Learning rate of personalized models \\[default: --lr].")] = None,
     ft_epochs: Annotated[int | None, Opt(help=f"fedavg-ft: fine-tuning epochs. {_default('ft_epochs')}")] = None,
     inner_steps: Annotated[int | None, Opt(help=f"pFedMe/pFedBreD inner steps K. {_default('inner_steps')}")] = None,
-    beta: Annotated[float | None, Opt(help=f"pFedMe/pFedBreD server step β. {_default('beta')}")] = None,
+    beta: Annotated[
+        float | None, Opt(help=f"Server step: β of pFedMe/pFedBreD, γλ of fedprox. {_default('beta')}")
+    ] = None,
+    am: Annotated[
+        bool | None, Opt("--am", help="pFedMe/pFedBreD aggregate momentum: server step β = 2, overriding --beta.")
+    ] = None,
+    prior: Annotated[str | None, Opt(help=f"pFedBreD prior mean: lg, meg or mh. {_default('prior')}")] = None,
+    prior_lr: Annotated[
+        float | None, Opt(help=f"pFedBreD meta-step η_α on the loss gradient (lg, mh). {_default('prior_lr')}")
+    ] = None,
+    prior_eta: Annotated[
+        float | None, Opt(help=f"pFedBreD meta-step η on the memorized envelope gradient. {_default('prior_eta')}")
+    ] = None,
+    apfl_alpha: Annotated[float | None, Opt(help=f"APFL initial mixing weight α. {_default('apfl_alpha')}")] = None,
+    alpha_lr: Annotated[float | None, Opt(help="APFL step size of α (0: α stays fixed) \\[default: --lr].")] = None,
     batch_size: Annotated[int | None, Opt(help=f"Client minibatch size. {_default('batch_size')}")] = None,
     server_lr: Annotated[float | None, Opt(help=f"Distillation Adam learning rate. {_default('server_lr')}")] = None,
     kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,
@@ -148,6 +162,39 @@ def train(
     title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
     out_console.print(results_table(report["summary"], title))
     out_console.print(f"run directory: {train_config.out}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def compare(
+    context: typer.Context,
+    methods: Annotated[str, Opt(help="Comma-separated methods, e.g. perada,perada-nokd,ditto.", show_default=False)],
+    seeds: Annotated[int, Opt(help="Seeds 0..N-1; each fixes the partition shared by all methods.")] = 3,
+    out: Annotated[Path, Opt(help="Directory for the runs and compare.json / compare.md.")] = Path("runs/compare"),
+    config: Annotated[Path | None, Opt(help="YAML or JSON file of train settings; flags win.")] = None,
+) -> None:
+    """Run several methods on the same partitions and seeds and print a Table-1-style comparison.
+
+    Any `peradapt train` flag (--data, --clients, --rounds, --limit-samples, ...) after these applies to every run.
+    """
+    from peradapt.compare import compare as run_compare
+    from peradapt.compare import rich_table
+
+    train_command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    try:
+        flags = train_command.make_context("train", list(context.args)).params
+    except typer.TyperException as exc:
+        raise ConfigError(f"compare: {exc.format_message()}") from None  # type: ignore[attr-defined]
+    if flags.pop("resume") or flags.get("config"):
+        raise ConfigError("compare takes --config itself and cannot --resume: re-run it to finish missing runs")
+    flags.pop("config")
+    settings: dict[str, Any] = read_config_file(config) if config else {}
+    settings.update({k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None})
+    names = [name.strip() for name in methods.split(",") if name.strip()]
+    rows = run_compare(settings, names, list(range(seeds)), out, err_console)
+    # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
+    console = out_console if out_console.is_terminal else Console(width=160)
+    console.print(rich_table(rows, seeds))
+    out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}")
 
 
 @app.command("eval")
@@ -213,10 +260,6 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("aborted")
         sys.exit(130)
-    except Exception as exc:
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except typer.TyperException as exc:  # usage errors: typer's own click prints them with a hint to --help
+        exc.show()  # type: ignore[attr-defined]
+        sys.exit(getattr(exc, "exit_code", 2))

@@ -61,6 +61,12 @@ class MethodConfig:
     ft_epochs: int = 1  # fedavg-ft: fine-tuning epochs before evaluation
     inner_steps: int = 3  # K: inner steps of pFedMe / pFedBreD
     beta: float = 1.0  # server step size of pFedMe / pFedBreD
+    am: bool = False  # pFedMe / pFedBreD aggregate momentum (pFedBreD Appendix C.4): beta = 2, overriding beta
+    prior: str = "mh"  # pFedBreD prior mean (Shi et al. Eq. 14): lg, meg or mh
+    prior_lr: float = 0.01  # pFedBreD eta_alpha: meta-step on the loss gradient (lg, mh)
+    prior_eta: float = 0.05  # pFedBreD eta: meta-step on the memorized envelope gradient (meg, mh)
+    apfl_alpha: float = 0.5  # APFL: initial mixing weight alpha_m^(0) of every client
+    alpha_lr: float | None = None  # APFL: step size of alpha (Deng et al. eq. 10); None: --lr, 0: alpha fixed
 
 
 @dataclass

@@ -318,3 +318,9 @@ def test_resume_without_a_run(tmp_path, capsys, monkeypatch, home):
 def test_diverging_training_stops_with_advice(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     args = tiny_args(fmnist_dir, tmp_path / "run", "--lr", "1e12", "--rounds", "1")
     expect_user_error(args, capsys, monkeypatch, "--lr")
+
+
+def test_an_unknown_flag_is_a_usage_error_not_a_traceback(capsys, monkeypatch):
+    code, _, err = run_cli(["train", "--no-such-flag", "1"], capsys, monkeypatch)
+    assert code == 2
+    assert "No such option: --no-such-flag" in err and "Traceback" not in err

@@ -22,7 +22,8 @@ from peradapt.distill import Distiller, ensemble_logits, kd_loss
 from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.store import ClientStore
 from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.perada import PERSONAL_KEY, PerAda, PerAdaNoKD
+from peradapt.personalize.base import PERSONAL_KEY
+from peradapt.personalize.perada import PerAda, PerAdaNoKD
 
 BATCH = 8
 SIZE = 16

@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 
 from peradapt.config import TrainConfig
-from peradapt.errors import RunError
+from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import evaluate_adapters, summarize, summary
 from peradapt.federation.checkpoint import (
     load_latest_checkpoint,
@@ -24,6 +25,8 @@ from peradapt.federation.checkpoint import (
 )
 from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.personalize import METHODS
+from peradapt.personalize.auto_lam import estimate_lam
 from peradapt.progress import progress_display
 
 RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out")
@@ -38,6 +41,8 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
     """The saved config of `run_dir` with `overrides` applied; only settings that keep results valid may change."""
     saved, _ = read_run_config(run_dir)
     flat = saved.to_flat()
+    if flat["lam_auto"] and str(overrides.get("lam", "")).strip().lower() == "auto":
+        overrides = {k: v for k, v in overrides.items() if k != "lam"}  # keep the λ chosen when the run began
     changed = sorted(k for k, v in overrides.items() if k not in RESUMABLE_CHANGES and flat.get(k) != v)
     if changed:
         raise RunError(
@@ -64,11 +69,13 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         session = build_session(config)
         checkpoint = None
     console.print(f"backbone weights: {session.backbone.source}")
+    lam_auto = _choose_lam(session, run_dir, resume, console)
     run_dir.mkdir(parents=True, exist_ok=True)
     # config.json marks a run directory, so it comes last: a run killed here always has its partition.
     if not resume:
         write_json_atomic(paths.partition, session.data.partition)
-    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": session.resolved()})
+    resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
+    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
 
     global_state, history = session.initial, []
     if checkpoint is not None:
@@ -84,6 +91,31 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
 
     global_state = _run_rounds(session, global_state, history, paths, console)
     return _finish(session, global_state, paths, console)
+
+
+def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> dict | None:
+    """`--lam auto`: λ from a warm-up estimate of heterogeneity, once, before round 1 (a resumed run keeps it)."""
+    config, method = session.config.method, session.method
+    if not config.lam_auto:
+        return None
+    if not method.uses_proximal:
+        proximal = ", ".join(name for name, cls in METHODS.items() if cls.uses_proximal)
+        raise ConfigError(
+            f"--lam auto chooses a proximal strength, which --method {config.method} has not: "
+            f"pass a number, or use one of {proximal}"
+        )
+    if resume:  # config.lam already holds the saved choice
+        return read_run_config(run_dir)[1].get("lam_auto")
+    lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
+    seed, clients = session.config.seed, session.data.clients
+    with torch.random.fork_rng():  # the rounds see the global RNG they would see without the warm-up
+        record = estimate_lam(session.trainer, session.initial, clients, lr=config.lr, seed=seed, lam_max=lam_max)
+    config.lam = record["lam"]  # the method's config is this same object
+    console.print(
+        f"--lam auto: H_hat={record['h_hat']:.4g} (n={record['n']:.4g}), regime {record['regime']}, "
+        f"lam={record['lam']:.4g} ({record['explanation']})"
+    )
+    return record
 
 
 def _run_rounds(session: Session, global_state: dict, history: list, paths: RunPaths, console: Console) -> dict:

@@ -152,7 +152,7 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
         distiller = Distiller(trainer, data.kd, data.val, config.distill)
     store = ClientStore()
     initial = model.state()
-    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients)
+    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed)
     method = build_method(config.method.method, context)
     return Session(config, data, model, trainer, method, store, initial, info, kind, device)
 

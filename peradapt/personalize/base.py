@@ -18,7 +18,10 @@ from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
 from peradapt.federation.local import LocalTrainer
+from peradapt.federation.seeds import PERSONAL, derive_seed
 from peradapt.federation.store import ClientStore
+
+PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
 
 
 @dataclass
@@ -37,12 +40,14 @@ class MethodContext:
     initial: AdapterState  # the injected adapter before any training: w^0 and every v_m^0
     distiller: Distiller | None
     clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
+    run_seed: int = 0  # --seed, for randomness outside the rounds (e.g. fine-tuning at evaluation time)
 
 
 class Method(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     uses_distillation: ClassVar[bool] = False
+    uses_proximal: ClassVar[bool] = False  # has a proximal strength lam that `--lam auto` may choose
     default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
 
     def __init__(self, context: MethodContext) -> None:
@@ -68,6 +73,30 @@ class Method(ABC):
     @abstractmethod
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """The adapter client `client_id` is evaluated and exported with."""
+
+    def stored_personal(self, client_id: int) -> AdapterState:
+        """The client's personalized state, or the initial one for a client that was never sampled."""
+        return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
+
+    def proximal_personal_update(
+        self, client: ClientData, global_state: AdapterState, seed: int
+    ) -> tuple[AdapterState, float]:
+        """S epochs of v <- v - eta_p (grad L(v) + lam (v - w)) from the stored v, which it replaces.
+
+        The personalized update shared by PerAda (Algorithm 1, line 10), Ditto and personalized FedProx (eq. 11).
+        """
+        config = self.config
+        personal, loss = self.trainer.sgd(
+            self.stored_personal(client.client_id),
+            client.train,
+            epochs=config.personal_epochs,
+            lr=config.personal_lr or config.lr,
+            seed=derive_seed(seed, PERSONAL),
+            anchor=global_state,
+            lam=config.lam,
+        )
+        self.store.put(client.client_id, PERSONAL_KEY, personal)
+        return personal, loss
 
     def parameter_counts(self) -> dict[str, int]:
         """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""

@@ -18,10 +18,8 @@ from collections.abc import Callable
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
 from peradapt.distill import ensemble_logits
-from peradapt.federation.seeds import LOCAL, PERSONAL, derive_seed
+from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
-
-PERSONAL_KEY = "personal"
 
 
 @register
@@ -29,19 +27,11 @@ class PerAda(Method):
     name = "perada"
     summary = "personalized adapters with a proximal term to a KD-distilled global adapter (Algorithm 1)"
     uses_distillation = True
+    uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         config, trainer = self.config, self.trainer
-        personal, personal_loss = trainer.sgd(
-            self.personalized(client.client_id, global_state),
-            client.train,
-            epochs=config.personal_epochs,
-            lr=config.lr,
-            seed=derive_seed(seed, PERSONAL),
-            anchor=global_state,
-            lam=config.lam,
-        )
-        self.store.put(client.client_id, PERSONAL_KEY, personal)
+        _, personal_loss = self.proximal_personal_update(client, global_state, seed)
         local, local_loss = trainer.sgd(
             global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
         )
@@ -65,7 +55,7 @@ class PerAda(Method):
         return distiller.distill(averaged, teacher_logits, seed=seed, on_step=on_step)
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
-        return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
+        return self.stored_personal(client_id)
 
     def parameter_counts(self) -> dict[str, int]:
         adapter = self.trainer.model.num_trainable()

@@ -1,0 +1,60 @@
+"""Ditto: a personalized model per client, regularized towards the FedAvg global model.
+
+Li, Hu, Beirami and Smith, "Ditto: Fair and Robust Federated Learning Through Personalization" (ICML 2021),
+Algorithm 1, as run as a full-model baseline in PerAda (Xie et al., CVPR 2024, Table 1). Each round, a sampled
+client m receives w^t and
+
+    w_m <- w^t;  w_m <- w_m - eta * grad F_m(w_m)                          E epochs  (UPDATE_GLOBAL, FedAvg)
+    v_m <- v_m - eta_p * (grad F_m(v_m) + lam * (v_m - w^t))               S epochs  (the personal objective h_m)
+
+uploads w_m and keeps v_m private. The server aggregates as FedAvg: w^{t+1} = sum_m n_m w_m / sum_m n_m, weighted
+by the clients' numbers of training samples n_m, as FedAvg (McMahan et al., 2017) and Ditto's reference code
+aggregate. Clients are evaluated with v_m (the initial model w^0 until a client is first sampled).
+
+Defaults: the whole network trains (`default_scope = "full"`, Table 1 of PerAda); eta_p is `--personal-lr`
+(default `--lr`); lam is `--lam`, or `--lam auto` (the engine reads `uses_proximal`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from peradapt.adapters import AdapterState, average_states
+from peradapt.data import ClientData
+from peradapt.federation.seeds import LOCAL, derive_seed
+from peradapt.personalize.base import ClientUpdate, Method, register
+
+
+@register
+class Ditto(Method):
+    name = "ditto"
+    summary = "FedAvg global model plus a personalized model proximal to it (Ditto, Li et al. 2021, Algorithm 1)"
+    default_scope = "full"
+    uses_proximal = True
+
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        config, trainer = self.config, self.trainer
+        local, local_loss = trainer.sgd(  # UPDATE_GLOBAL: E epochs of local SGD from w^t
+            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+        )
+        # S epochs on h_m(v_m; w^t) = F_m(v_m) + lam/2 ||v_m - w^t||^2
+        _, personal_loss = self.proximal_personal_update(client, global_state, seed)
+        metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
+        return ClientUpdate(client.client_id, local, len(client.train), metrics)
+
+    def server_update(
+        self,
+        global_state: AdapterState,
+        updates: list[ClientUpdate],
+        seed: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[AdapterState, dict[str, float]]:
+        uploads = [update.upload for update in updates]
+        return average_states(uploads, [update.num_samples for update in updates]), {}
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return self.stored_personal(client_id)
+
+    def parameter_counts(self) -> dict[str, int]:
+        model = self.trainer.model.num_trainable()
+        return {"personalized": model, "trained": 2 * model, "communicated": model}  # v_m and w_m

@@ -1,0 +1,89 @@
+"""FedAvg and FedAvg+FT: one global model, optionally fine-tuned locally before evaluation.
+
+FedAvg: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data"
+(AISTATS 2017), Algorithm 1 (FederatedAveraging). Each round, every sampled client k starts from the global
+state w_t and runs E epochs of minibatch SGD on its own data,
+
+    w^k <- w_t;  w^k <- w^k - eta * grad L_k(w^k)                       E = --local-epochs epochs
+
+and uploads w^k. The server takes the mean weighted by the clients' sample counts n_k over the sampled set S_t,
+
+    w_{t+1} = sum_{k in S_t} (n_k / n) w^k,   n = sum_{k in S_t} n_k.
+
+There is no personalization: every client is evaluated and exported with w. It is the global-model baseline of
+PerAda's Table 2 ("FedAvg, generic FL, Full"), so the whole network trains unless --scope says otherwise.
+
+FedAvg+FT (`fedavg-ft`): the full-model baseline of PerAda's Table 1 ([65] there). FedAvg as above, then each
+client fine-tunes the final global model on its own training data for --ft-epochs epochs before it is evaluated
+or exported (learning rate --personal-lr, default --lr). The fine-tuning is local: it communicates nothing
+(the table's footnote), and it is seeded from (run seed, client id), so evaluating twice gives the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from peradapt.adapters import AdapterState, average_states
+from peradapt.data import ClientData
+from peradapt.federation.seeds import LOCAL, derive_seed
+from peradapt.personalize.base import ClientUpdate, Method, register
+
+FINETUNE = 11  # seed phase of FedAvg+FT's local fine-tuning
+
+
+@register
+class FedAvg(Method):
+    name = "fedavg"
+    summary = "FedAvg: local SGD from the global model, sample-size weighted mean (McMahan et al., Algorithm 1)"
+    default_scope = "full"
+
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        config = self.config
+        local, loss = self.trainer.sgd(
+            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+        )
+        return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
+
+    def server_update(
+        self,
+        global_state: AdapterState,
+        updates: list[ClientUpdate],
+        seed: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[AdapterState, dict[str, float]]:
+        return self.weighted_mean(updates), {}
+
+    @staticmethod
+    def weighted_mean(updates: list[ClientUpdate]) -> AdapterState:
+        """w_{t+1} = sum_k n_k / n * w^k over the sampled clients."""
+        return average_states([u.upload for u in updates], [u.num_samples for u in updates])
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return global_state
+
+    def parameter_counts(self) -> dict[str, int]:
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": 0, "trained": trainable, "communicated": trainable}
+
+
+@register
+class FedAvgFT(FedAvg):
+    name = "fedavg-ft"
+    summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        config = self.config
+        if config.ft_epochs == 0:
+            return global_state
+        finetuned, _ = self.trainer.sgd(
+            global_state,
+            self.context.clients[client_id].train,
+            epochs=config.ft_epochs,
+            lr=config.personal_lr or config.lr,
+            seed=derive_seed(self.context.run_seed, client_id, FINETUNE),
+        )
+        return finetuned
+
+    def parameter_counts(self) -> dict[str, int]:
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
