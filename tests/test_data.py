@@ -482,8 +482,10 @@ def test_iterate_minibatches_covers_every_index_once() -> None:
     assert [len(batch) for batch in batches] == [4, 4, 2]
     assert sorted(torch.cat(batches).tolist()) == list(range(10))
     assert [len(batch) for batch in iterate_minibatches(10, 4, generator, drop_last=True)] == [4, 4]
-    ordered = torch.cat(list(iterate_minibatches(5, 2, generator, shuffle=False)))
-    assert ordered.tolist() == [0, 1, 2, 3, 4]
+    ordered = list(iterate_minibatches(5, 2, generator, shuffle=False))
+    assert [batch.tolist() for batch in ordered] == [[0, 1], [2, 3, 4]]  # no lone sample for BatchNorm
+    assert [len(batch) for batch in iterate_minibatches(9, 4, generator)] == [4, 5]
+    assert [len(batch) for batch in iterate_minibatches(1, 4, generator)] == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])

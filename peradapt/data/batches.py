@@ -43,13 +43,19 @@ def iterate_minibatches(
     shuffle: bool = True,
     drop_last: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Yield index tensors covering ``range(num_samples)`` in batches, reshuffled on every call."""
+    """Yield index tensors covering ``range(num_samples)`` in batches, reshuffled on every call.
+
+    A last batch of a single sample joins the one before: BatchNorm cannot train on one sample.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     order = torch.randperm(num_samples, generator=generator) if shuffle else torch.arange(num_samples)
     stop = num_samples - num_samples % batch_size if drop_last else num_samples
-    for start in range(0, stop, batch_size):
-        yield order[start : start + batch_size]
+    starts = list(range(0, stop, batch_size))
+    if len(starts) > 1 and stop - starts[-1] == 1:
+        starts.pop()
+    for start, end in zip(starts, [*starts[1:], stop], strict=True):
+        yield order[start:end]
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
