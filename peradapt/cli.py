@@ -247,7 +247,13 @@ def info(run: RunDir) -> None:
         trainable, total = resolved["trainable_parameters"], resolved["backbone_parameters"]
         out_console.print(
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
-            f"adapter: {resolved['adapter']}"
+            f"adapter: {resolved['adapter']}, scope: {resolved.get('scope', 'adapter')}"
+        )
+    if "parameter_counts" in resolved:  # the columns of the PerAda paper's Table 1, per client
+        counts = resolved["parameter_counts"]
+        out_console.print(
+            f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
+            f"{counts['communicated']:,} communicated parameters"
         )
 
 

@@ -129,6 +129,8 @@ def test_info_prints_config_partition_and_trainable_count(finished_run, capsys, 
     assert code == 0, err
     resolved = json.loads((finished_run / "config.json").read_text())["resolved"]
     assert f"trainable parameters: {resolved['trainable_parameters']:,}" in out
+    adapter = resolved["trainable_parameters"]
+    assert f"per client: {adapter:,} personalized, {2 * adapter:,} trained, {adapter:,} communicated" in out
     assert "label skew" in out and "dir:0.5" in out
 
 
