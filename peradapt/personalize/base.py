@@ -18,7 +18,7 @@ from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
 from peradapt.federation.local import LocalTrainer
-from peradapt.federation.seeds import PERSONAL, derive_seed
+from peradapt.federation.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.federation.store import ClientStore
 
 PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
@@ -77,6 +77,13 @@ class Method(ABC):
     def stored_personal(self, client_id: int) -> AdapterState:
         """The client's personalized state, or the initial one for a client that was never sampled."""
         return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
+
+    def local_update(self, client: ClientData, global_state: AdapterState, seed: int) -> tuple[AdapterState, float]:
+        """E epochs of plain SGD from the global state (FedAvg's client step; PerAda Algorithm 1, line 15)."""
+        config = self.config
+        return self.trainer.sgd(
+            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+        )
 
     def proximal_personal_update(
         self, client: ClientData, global_state: AdapterState, seed: int

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
 
 
@@ -33,10 +32,7 @@ class Ditto(Method):
     uses_proximal = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config, trainer = self.config, self.trainer
-        local, local_loss = trainer.sgd(  # UPDATE_GLOBAL: E epochs of local SGD from w^t
-            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
-        )
+        local, local_loss = self.local_update(client, global_state, seed)  # UPDATE_GLOBAL: E epochs from w^t
         # S epochs on h_m(v_m; w^t) = F_m(v_m) + lam/2 ||v_m - w^t||^2
         _, personal_loss = self.proximal_personal_update(client, global_state, seed)
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}

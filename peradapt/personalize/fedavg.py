@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
-from peradapt.federation.seeds import LOCAL, derive_seed
+from peradapt.federation.seeds import derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
 
 FINETUNE = 11  # seed phase of FedAvg+FT's local fine-tuning
@@ -38,10 +38,7 @@ class FedAvg(Method):
     default_scope = "full"
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config = self.config
-        local, loss = self.trainer.sgd(
-            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
-        )
+        local, loss = self.local_update(client, global_state, seed)
         return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
 
     def server_update(

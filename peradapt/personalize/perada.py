@@ -18,7 +18,6 @@ from collections.abc import Callable
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
 from peradapt.distill import ensemble_logits
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
 
 
@@ -30,11 +29,8 @@ class PerAda(Method):
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config, trainer = self.config, self.trainer
-        _, personal_loss = self.proximal_personal_update(client, global_state, seed)
-        local, local_loss = trainer.sgd(
-            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
-        )
+        _, personal_loss = self.proximal_personal_update(client, global_state, seed)  # line 10
+        local, local_loss = self.local_update(client, global_state, seed)  # lines 12-15
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 
