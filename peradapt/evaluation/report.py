@@ -5,16 +5,16 @@ from __future__ import annotations
 from rich.table import Table
 
 ROWS = (
-    ("personalized", "local_test", "personalized adapters", "local-test"),
-    ("personalized", "global_test", "personalized adapters", "global-test"),
-    ("global", "local_test", "global adapter", "local-test"),
-    ("global", "global_test", "global adapter", "global-test"),
+    ("personalized", "local_test", "personalized", "local-test"),
+    ("personalized", "global_test", "personalized", "global-test"),
+    ("global", "local_test", "global", "local-test"),
+    ("global", "global_test", "global", "global-test"),
 )
 
 
 def results_table(flat: dict[str, float], title: str) -> Table:
     table = Table(title=title)
-    table.add_column("adapter")
+    table.add_column("model")
     table.add_column("metric")
     table.add_column("accuracy % (mean ± std over clients)", justify="right")
     for who, split, label, metric in ROWS:
