@@ -20,9 +20,9 @@ fmnist:
 		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist)
 
 demo: install fmnist
-	peradapt pretrain --data fmnist --backbone resnet18_w16 --epochs 2
+	$(PYTHON) -m peradapt pretrain --data fmnist --backbone resnet18_w16 --epochs 2
 	rm -rf $(DEMO_RUN)
-	peradapt train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
+	$(PYTHON) -m peradapt train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
 
 test: install-test
 	$(PYTHON) -m pytest -q
