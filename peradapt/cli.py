@@ -133,6 +133,10 @@ def train(
     eval_every: Annotated[
         int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")
     ] = None,
+    holdout_clients: Annotated[
+        int | None,
+        Opt(help=f"Keep the last K clients out of training, for `peradapt personalize`. {_default('holdout_clients')}"),
+    ] = None,
     limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
     seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
@@ -198,11 +202,29 @@ def compare(
 
 
 @app.command("eval")
-def evaluate(run: RunDir) -> None:
+def evaluate(
+    run: RunDir,
+    ood: Annotated[
+        str | None,
+        Opt(
+            help="Instead: accuracy on an out-of-distribution set: fmnist-c (generated corruptions), "
+            "cifar10-c[:PATH], cifar10.1[:PATH] or imagefolder:PATH (PATH/<class index or name>/<images>)."
+        ),
+    ] = None,
+    ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
+) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
     from peradapt.evaluation import results_table, summarize
-    from peradapt.runs import evaluate_run
+    from peradapt.runs import evaluate_ood_run, evaluate_run, ood_report_name, ood_table
 
+    if ood is not None:
+        result = evaluate_ood_run(run, ood, limit=ood_limit)
+        console = out_console if out_console.is_terminal else Console(width=120)
+        console.print(ood_table(result, f"{ood} on {run}, {len(result['clients'])} clients"))
+        out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
+        return
+    if ood_limit is not None:
+        raise ConfigError("--ood-limit needs --ood NAME")
     evaluation = evaluate_run(run)
     out_console.print(results_table(summarize(evaluation), f"evaluation of {run}"))
     out_console.print(f"written to {run / 'eval.json'}")
@@ -223,6 +245,23 @@ def export(
         f"'{path}/backbone.safetensors')); import peradapt; "
         f"peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
     )
+
+
+@app.command()
+def personalize(
+    run: RunDir,
+    new_client: Annotated[str, Opt(help="Id of a client the run held out with --holdout-clients.", show_default=False)],
+) -> None:
+    """Personalize a client that never took part in training, from the run's global model, with the run's method."""
+    from peradapt.newclients import personalize_new_client
+
+    result = personalize_new_client(run, new_client)
+    before, after = result["before"]["local_test"], result["after"]["local_test"]
+    out_console.print(
+        f"new client {result['client']} ({result['method']}): local-test accuracy "
+        f"{100 * before:.2f}% with the global model, {100 * after:.2f}% personalized"
+    )
+    out_console.print(f"personalized model written to {result['adapter']}")
 
 
 @app.command()
@@ -255,6 +294,23 @@ def info(run: RunDir) -> None:
             f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
             f"{counts['communicated']:,} communicated parameters"
         )
+
+
+@app.command()
+def report(
+    runs: Annotated[
+        list[Path], typer.Argument(metavar="RUN", help="Finished run directories (`peradapt train --out`).")
+    ],
+    out: Annotated[
+        Path | None,
+        Opt(help="Directory for the plots and tables \\[default: the run's own directory for one run, else reports/]."),
+    ] = None,
+) -> None:
+    """Plots (accuracy per round, per client) and a Markdown/JSON table comparing finished runs."""
+    from peradapt.reports import build_report
+
+    for path in build_report(runs, out):
+        out_console.print(f"written {path}")
 
 
 def main() -> None:

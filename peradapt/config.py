@@ -44,6 +44,7 @@ class FederationConfig:
     clients_per_round: int = 8
     rounds: int = 200
     eval_every: int = 10
+    holdout_clients: int = 0  # the last K client ids never take part in training (`peradapt personalize` them)
 
 
 @dataclass
@@ -155,6 +156,15 @@ class TrainConfig:
             raise ConfigError(
                 f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
                 "lower --clients-per-round or raise --clients"
+            )
+        if not 0 <= fed.holdout_clients < fed.clients:
+            raise ConfigError(
+                f"--holdout-clients must be at least 0 and less than --clients {fed.clients}, got {fed.holdout_clients}"
+            )
+        if fed.clients_per_round > fed.clients - fed.holdout_clients:
+            raise ConfigError(
+                f"--clients-per-round {fed.clients_per_round} is more than the {fed.clients - fed.holdout_clients} "
+                f"clients left in training by --holdout-clients {fed.holdout_clients}: lower one of them"
             )
         if method.scope not in (None, "adapter", "full"):
             raise ConfigError(f"unknown --scope '{method.scope}': use adapter or full")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
+from rich.table import Table
 
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.errors import RunError
-from peradapt.evaluation import evaluate_adapters
+from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
 
@@ -25,7 +27,7 @@ def _exported_states(session: Session, paths: RunPaths) -> tuple[dict[int, dict]
             f"{paths.root} has no exported adapters yet: finish it with `peradapt train --out {paths.root} --resume`"
         )
     personal = {
-        c.client_id: session.model.load_pretrained(paths.clients / str(c.client_id)) for c in session.data.clients
+        c.client_id: session.model.load_pretrained(paths.clients / str(c.client_id)) for c in session.federated_clients
     }
     return personal, session.model.load_pretrained(paths.global_adapter)
 
@@ -39,12 +41,99 @@ def evaluate_run(run_dir: Path) -> dict:
         session.trainer,
         personal.__getitem__,
         global_state,
-        session.data.clients,
+        session.federated_clients,
         session.data.global_test,
         personalized_global_test=True,
     )
     write_json_atomic(run_dir / "eval.json", evaluation)
     return evaluation
+
+
+def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0) -> dict:
+    """Accuracy of every exported personalized adapter and of the global adapter on each part of OOD set ``name``.
+
+    Writes ``ood-<name>.json`` (``/`` and ``:`` of a path replaced) in the run directory and returns it: per
+    (corruption, severity), per corruption averaged over severities, and overall, each with the clients'
+    accuracies, their mean and std, and the global adapter's accuracy.
+    """
+    from peradapt.backbones import peradapt_home
+    from peradapt.data.ood import OodTarget, load_ood
+
+    paths = RunPaths(run_dir)
+    session = open_run(run_dir)
+    personal, global_state = _exported_states(session, paths)
+    data_dir = session.config.data.data_dir
+    target = OodTarget(
+        dataset=session.config.data.data,
+        num_classes=session.data.num_classes,
+        image_size=session.data.image_size,
+        channels=session.data.channels,
+        data_dir=None if data_dir is None else Path(data_dir),
+    )
+    parts = load_ood(name, target, limit=limit, seed=seed, cache_dir=peradapt_home() / "ood")
+    clients = sorted(personal)
+    # Model by model, so each adapter is loaded once for all the parts.
+    personal_acc = {c: [session.trainer.accuracy(personal[c], part.images) for part in parts] for c in clients}
+    global_acc = [session.trainer.accuracy(global_state, part.images) for part in parts]
+
+    def entry(columns: list[int], **fields: object) -> dict:
+        per_client = [float(np.mean([personal_acc[c][i] for i in columns])) for c in clients]
+        stats = summary(per_client)
+        return {
+            **fields,
+            "personalized": per_client,
+            "personalized_mean": stats["mean"],
+            "personalized_std": stats["std"],
+            "global": float(np.mean([global_acc[i] for i in columns])),
+        }
+
+    corruptions = list(dict.fromkeys(part.corruption for part in parts))
+    result = {
+        "ood": name,
+        "limit": limit,
+        "seed": seed,
+        "clients": clients,
+        "parts": [
+            entry([i], corruption=part.corruption, severity=part.severity, size=len(part.images))
+            for i, part in enumerate(parts)
+        ],
+        "corruptions": [
+            entry([i for i, part in enumerate(parts) if part.corruption == corruption], corruption=corruption)
+            for corruption in corruptions
+        ],
+        "average": entry(list(range(len(parts)))),
+    }
+    write_json_atomic(run_dir / ood_report_name(name), result)
+    return result
+
+
+def ood_report_name(name: str) -> str:
+    """The file ``evaluate_ood_run`` writes for OOD set ``name``: ``ood-<name>.json``, made safe as a file name."""
+    return "ood-" + re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") + ".json"
+
+
+def ood_table(result: dict, title: str) -> Table:
+    """The rich table of an ``evaluate_ood_run`` result: every part, then per-corruption and overall averages."""
+    table = Table(title=title)
+    table.add_column("set")
+    table.add_column("images", justify="right")
+    table.add_column("personalized % (mean ± std over clients)", justify="right")
+    table.add_column("global %", justify="right")
+
+    def add(label: str, size: str, row: dict, **style: str) -> None:
+        personal = f"{100 * row['personalized_mean']:.2f} ± {100 * row['personalized_std']:.2f}"
+        table.add_row(label, size, personal, f"{100 * row['global']:.2f}", **style)
+
+    for part in result["parts"]:
+        label = part["corruption"] if part["severity"] is None else f"{part['corruption']}-{part['severity']}"
+        add(label, str(part["size"]), part)
+    if len(result["corruptions"]) < len(result["parts"]):  # severities: also each corruption's average
+        table.add_section()
+        for row in result["corruptions"]:
+            add(f"{row['corruption']} (average)", "", row)
+    table.add_section()
+    add("average", "", result["average"], style="bold")
+    return table
 
 
 def export_run(run_dir: Path, out: Path) -> Path:

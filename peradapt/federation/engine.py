@@ -107,7 +107,7 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
     if resume:  # config.lam already holds the saved choice
         return read_run_config(run_dir)[1].get("lam_auto")
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
-    seed, clients = session.config.seed, session.data.clients
+    seed, clients = session.config.seed, session.federated_clients
     with torch.random.fork_rng():  # the rounds see the global RNG they would see without the warm-up
         record = estimate_lam(session.trainer, session.initial, clients, lr=config.lr, seed=seed, lam_max=lam_max)
     config.lam = record["lam"]  # the method's config is this same object
@@ -121,11 +121,12 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
 def _run_rounds(session: Session, global_state: dict, history: list, paths: RunPaths, console: Console) -> dict:
     config, method, data = session.config, session.method, session.data
     fed, seed = config.federation, config.seed
+    federated = fed.clients - fed.holdout_clients  # held-out clients are the last ids: never sampled
     kd_steps = config.distill.kd_steps if method.uses_distillation else 0
     with progress_display(console) as progress:
         rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history))
         for round_index in range(len(history), fed.rounds):
-            sampled = sample_clients(seed, round_index, fed.clients, fed.clients_per_round)
+            sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
             clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(sampled))
             updates = []
             for client_id in sampled:
@@ -159,7 +160,7 @@ def _evaluate(session: Session, global_state: dict, **options) -> dict:
         session.trainer,
         lambda c: method.personalized(c, global_state),
         global_state,
-        data.clients,
+        session.federated_clients,
         data.global_test,
         **options,
     )
@@ -187,9 +188,8 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
 
 
 def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console) -> dict:
-    data = session.data
     with progress_display(console) as progress:
-        bar = progress.add_task("final evaluation", total=len(data.clients))
+        bar = progress.add_task("final evaluation", total=len(session.federated_clients))
         evaluation = _evaluate(
             session, global_state, personalized_global_test=True, on_client=lambda: progress.advance(bar)
         )
@@ -200,8 +200,8 @@ def _finish(session: Session, global_state: dict, paths: RunPaths, console: Cons
 
 
 def export_adapters(session: Session, global_state: dict, directory: Path) -> None:
-    """Every client's personalized adapter and the global adapter, in PEFT layout."""
-    for client in session.data.clients:
+    """Every federated client's personalized adapter and the global adapter, in PEFT layout."""
+    for client in session.federated_clients:
         state = session.method.personalized(client.client_id, global_state)
         session.model.save_pretrained(directory / "clients" / str(client.client_id), state)
     session.model.save_pretrained(directory / "global", global_state)
@@ -212,6 +212,7 @@ def build_report(session: Session, evaluation: dict) -> dict:
         return {**summary(values), "per_client": values}
 
     config = session.config
+    held_out = {"held_out_clients": [c.client_id for c in session.held_out_clients]} if session.held_out_clients else {}
     return {
         "method": config.method.method,
         "data": config.data.data,
@@ -226,4 +227,5 @@ def build_report(session: Session, evaluation: dict) -> dict:
         "summary": summarize(evaluation),
         "trainable_parameters": session.model.num_trainable(),
         "backbone_parameters": session.model.num_backbone(),
+        **held_out,
     }

@@ -17,7 +17,7 @@ import torch
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
 from peradapt.backbones import BackboneInfo, load_backbone
 from peradapt.config import TrainConfig
-from peradapt.data import FederatedData, build_federation
+from peradapt.data import ClientData, FederatedData, build_federation
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, RunError
 from peradapt.federation.local import InputPipeline, LocalTrainer
@@ -72,6 +72,17 @@ class Session:
     backbone: BackboneInfo
     adapter_kind: str
     device: torch.device
+
+    @property
+    def federated_clients(self) -> list[ClientData]:
+        """The clients that take part in training: all but the last --holdout-clients."""
+        fed = self.config.federation
+        return self.data.clients[: fed.clients - fed.holdout_clients]
+
+    @property
+    def held_out_clients(self) -> list[ClientData]:
+        """The last --holdout-clients clients: never trained nor exported by `train`, kept for `personalize`."""
+        return self.data.clients[len(self.federated_clients) :]
 
     def resolved(self) -> dict:
         """What the flags resolved to on this machine, written beside the config."""

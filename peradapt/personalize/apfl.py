@@ -59,6 +59,15 @@ class APFL(Method):
             raise ConfigError(f"--alpha-lr must not be negative, got {self.config.alpha_lr}")
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        return self._local_steps(client, global_state, seed, train_w=True)
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """v_m (from v_m = w) and alpha_m learned by eqs. 7 and 10 against the final global w, which stays fixed."""
+        self.store.put(client.client_id, LOCAL_KEY, global_state)
+        self._local_steps(client, global_state, seed, train_w=False)
+        return self.personalized(client.client_id, global_state)
+
+    def _local_steps(self, client: ClientData, global_state: AdapterState, seed: int, *, train_w: bool) -> ClientUpdate:
         config, trainer = self.config, self.trainer
         eta = config.lr
         eta_alpha = eta if config.alpha_lr is None else config.alpha_lr
@@ -68,7 +77,7 @@ class APFL(Method):
         for images, labels in trainer.minibatches(
             client.train, epochs=config.local_epochs, seed=derive_seed(seed, LOCAL)
         ):
-            grad_w, w_buffers, w_loss = self._gradient(w, images, labels)
+            grad_w, w_buffers, w_loss = self._gradient(w, images, labels) if train_w else ({}, w, 0.0)
             grad_mixed, mixed_buffers, mixed_loss = self._gradient(self.mix(alpha, v, w), images, labels)
             with torch.no_grad():
                 grad_alpha = sum(torch.sum((v[n] - w[n]) * g) for n, g in grad_mixed.items()).item()  # eq. 10

@@ -74,6 +74,21 @@ class Method(ABC):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """The adapter client `client_id` is evaluated and exported with."""
 
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """The personalized model of a client that never took part in training, from the final global model.
+
+        Default: one round of the method's own client update against the fixed global model, then the model the
+        method evaluates that client with. Methods whose personalization needs something else override it.
+        """
+        self.client_update(client, global_state, seed)
+        return self.personalized(client.client_id, global_state)
+
+    def proximal_from_global(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """A new client's v from v = w: S epochs of the proximal personal update towards the fixed global w."""
+        self.store.put(client.client_id, PERSONAL_KEY, global_state)
+        personal, _ = self.proximal_personal_update(client, global_state, seed)
+        return personal
+
     def stored_personal(self, client_id: int) -> AdapterState:
         """The client's personalized state, or the initial one for a client that was never sampled."""
         return self.store.get(client_id, PERSONAL_KEY) or self.context.initial

@@ -58,6 +58,9 @@ class FedAvg(Method):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return global_state
 
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        return self.personalized(client.client_id, global_state)  # no training: the global model, as for all
+
     def parameter_counts(self) -> dict[str, int]:
         trainable = self.trainer.model.num_trainable()
         return {"personalized": 0, "trained": trainable, "communicated": trainable}
@@ -69,15 +72,19 @@ class FedAvgFT(FedAvg):
     summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        seed = derive_seed(self.context.run_seed, client_id, FINETUNE)
+        return self.finetune(global_state, self.context.clients[client_id], seed)
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        return self.finetune(global_state, client, derive_seed(seed, FINETUNE))
+
+    def finetune(self, global_state: AdapterState, client: ClientData, seed: int) -> AdapterState:
+        """--ft-epochs of SGD on the client's training data from the global model (at --personal-lr)."""
         config = self.config
         if config.ft_epochs == 0:
             return global_state
         finetuned, _ = self.trainer.sgd(
-            global_state,
-            self.context.clients[client_id].train,
-            epochs=config.ft_epochs,
-            lr=config.personal_lr or config.lr,
-            seed=derive_seed(self.context.run_seed, client_id, FINETUNE),
+            global_state, client.train, epochs=config.ft_epochs, lr=config.personal_lr or config.lr, seed=seed
         )
         return finetuned
 

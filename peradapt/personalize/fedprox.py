@@ -64,6 +64,9 @@ class FedProx(Method):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.stored_personal(client_id)
 
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        return self.proximal_from_global(client, global_state, seed)  # v from w, proximal to the fixed w
+
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()
         return {"personalized": model, "trained": model, "communicated": model}  # only w_i trains; w_g is averaged

@@ -119,6 +119,12 @@ class PartialModel(Method):
         personal = self.store.get(client_id, PERSONAL_KEY) or self.initial_personal
         return {**subset(global_state, self.shared), **personal}
 
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """(u, v_m): v_m from v^0, --personal-epochs of SGD with the global shared part u fixed."""
+        start = self.personalized(client.client_id, global_state)
+        epochs, seed = self.config.personal_epochs, derive_seed(seed, PERSONAL)
+        return self.sgd_on(start, client.train, self.personal, epochs=epochs, seed=seed)[0]
+
     def parameter_counts(self) -> dict[str, int]:
         """Table 1: the whole model trains, the shared part is sent, the personal part stays."""
         parameters = self.trainer.model.trainable_parameters()

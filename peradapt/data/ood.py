@@ -1,0 +1,431 @@
+"""Out-of-distribution test sets for `peradapt eval --ood NAME`, each cut into (corruption, severity) parts.
+
+- ``fmnist-c``: corruptions of the Fashion-MNIST test set generated here, with the formulas and the five
+  severity levels of Hendrycks & Dietterich's CIFAR-10-C (``make_cifar_c.py``, ICLR 2019), restricted to the
+  types that make sense for grayscale images. Generated once per (source, seed, corruption, image count) and
+  cached as ``.npz`` under ``$PERADAPT_HOME/ood/``.
+- ``cifar10-c[:PATH]``: the published CIFAR-10-C files, ``<corruption>.npy`` (50,000 × 32 × 32 × 3 uint8:
+  severities 1-5 stacked, 10,000 test images each) and ``labels.npy``, in PATH or in the run's data directory
+  (``DATA_DIR/CIFAR-10-C/`` or ``DATA_DIR``).
+- ``cifar10.1[:PATH]``: CIFAR-10.1 v6, ``cifar10.1_v6_data.npy`` and ``cifar10.1_v6_labels.npy``, in PATH or in
+  ``DATA_DIR/CIFAR-10.1/`` (or its ``datasets/`` folder, as the authors' repository has it) or ``DATA_DIR``.
+- ``imagefolder:PATH``: ``PATH/<class>/<image files>``, one sub-folder per class, named by the class index
+  (``0``, ``1``, ...) or by the class name of the run's dataset (case and punctuation ignored).
+
+Every part comes in the run's image format (size and channels), resized with ``resize_images``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from peradapt.data.images import ImageSet, resize_images
+from peradapt.data.sources import load_source
+from peradapt.errors import ConfigError, DataError
+
+OOD_NAMES = ("fmnist-c", "cifar10-c", "cifar10.1", "imagefolder:PATH")
+SEVERITIES = (1, 2, 3, 4, 5)
+# Bumped whenever a formula changes, so that stale cached sets are never served.
+_CACHE_VERSION = 1
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+FMNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CLASS_NAMES: dict[str, tuple[str, ...]] = {"fmnist": FMNIST_CLASSES, "cifar10": CIFAR10_CLASSES}
+
+
+@dataclass(frozen=True)
+class OodPart:
+    """One evaluation set: a corruption at one severity (``None`` for sets without severities)."""
+
+    corruption: str
+    severity: int | None
+    images: ImageSet
+
+    @property
+    def key(self) -> str:
+        return self.corruption if self.severity is None else f"{self.corruption}-{self.severity}"
+
+
+@dataclass(frozen=True)
+class OodTarget:
+    """What the run's models expect: the dataset they were trained on and its image format."""
+
+    dataset: str
+    num_classes: int
+    image_size: int
+    channels: int
+    data_dir: Path | None = None
+
+
+# ---------------------------------------------------------------- corruptions (Hendrycks & Dietterich)
+# Each takes float images in [0, 1] of shape [N, H, W] (grayscale) and a severity 1..5, and returns the
+# same shape, unclipped; the parameters are CIFAR-10-C's, whose 32 px images are closest to our 28 px ones.
+
+
+def _gaussian_noise(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    c = (0.04, 0.06, 0.08, 0.09, 0.10)[severity - 1]
+    return x + rng.normal(size=x.shape, scale=c)
+
+
+def _shot_noise(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    c = (500, 250, 100, 75, 50)[severity - 1]
+    return rng.poisson(x * c) / c
+
+
+def _impulse_noise(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    # skimage.util.random_noise(mode="s&p", amount=c): a fraction c of the pixels, half set to 1, half to 0.
+    c = (0.01, 0.02, 0.03, 0.05, 0.07)[severity - 1]
+    flipped = rng.random(x.shape) <= c
+    salted = rng.random(x.shape) <= 0.5
+    out = x.copy()
+    out[flipped & salted] = 1.0
+    out[flipped & ~salted] = 0.0
+    return out
+
+
+def _speckle_noise(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    c = (0.06, 0.1, 0.12, 0.16, 0.2)[severity - 1]
+    return x + x * rng.normal(size=x.shape, scale=c)
+
+
+def _gaussian_blur(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    from scipy.ndimage import gaussian_filter  # deferred: only generation needs scipy (a scikit-learn dependency)
+
+    c = (0.4, 0.6, 0.7, 0.8, 1.0)[severity - 1]
+    # skimage.filters.gaussian's defaults: nearest-edge padding, kernel truncated at 4 sigma; no blur across images.
+    return gaussian_filter(x, sigma=(0, c, c), mode="nearest", truncate=4.0)
+
+
+def _contrast(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    c = (0.75, 0.5, 0.4, 0.3, 0.15)[severity - 1]
+    means = x.mean(axis=(1, 2), keepdims=True)
+    return (x - means) * c + means
+
+
+def _brightness(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    # The reference adds c to the HSV value channel; for a grey pixel the value is the intensity itself.
+    c = (0.05, 0.1, 0.15, 0.2, 0.3)[severity - 1]
+    return x + c
+
+
+def _pixelate(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    from PIL import Image  # deferred: Pillow comes with torchvision, and only generation needs it
+
+    c = (0.95, 0.9, 0.85, 0.75, 0.65)[severity - 1]
+    height, width = x.shape[1:]
+    small = (int(width * c), int(height * c))
+    out = np.empty_like(x)
+    for i, image in enumerate(_to_uint8(x)):
+        pil = Image.fromarray(image).resize(small, Image.Resampling.BOX).resize((width, height), Image.Resampling.BOX)
+        out[i] = np.asarray(pil, dtype=np.float64) / 255.0
+    return out
+
+
+def _jpeg_compression(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    from PIL import Image  # deferred: Pillow comes with torchvision, and only generation needs it
+
+    quality = (80, 65, 58, 50, 40)[severity - 1]
+    out = np.empty_like(x)
+    for i, image in enumerate(_to_uint8(x)):
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, "JPEG", quality=quality)
+        buffer.seek(0)
+        out[i] = np.asarray(Image.open(buffer), dtype=np.float64) / 255.0
+    return out
+
+
+def _zoom_blur(x: np.ndarray, severity: int, rng: np.random.Generator) -> np.ndarray:
+    top_zoom = (1.06, 1.11, 1.16, 1.21, 1.26)[severity - 1]
+    factors = np.arange(1, top_zoom, 0.01)
+    out = np.zeros_like(x)
+    for factor in factors:
+        out += _clipped_zoom(x, float(factor))
+    return (x + out) / (len(factors) + 1)
+
+
+def _clipped_zoom(x: np.ndarray, factor: float) -> np.ndarray:
+    """Zoom into the centre of every image by ``factor`` (bilinear), cropped back to the original size."""
+    from scipy.ndimage import zoom  # deferred: only generation needs scipy (a scikit-learn dependency)
+
+    size = x.shape[1]
+    crop = int(np.ceil(size / factor))
+    top = (size - crop) // 2
+    zoomed = zoom(x[:, top : top + crop, top : top + crop], (1, factor, factor), order=1)
+    trim = (zoomed.shape[1] - size) // 2
+    return zoomed[:, trim : trim + size, trim : trim + size]
+
+
+def _to_uint8(x: np.ndarray) -> np.ndarray:
+    # The reference code stores np.uint8(image * 255), which truncates.
+    return (np.clip(x, 0.0, 1.0) * 255).astype(np.uint8)
+
+
+Corruption = Callable[[np.ndarray, int, np.random.Generator], np.ndarray]
+# Colour-only types (saturate), and ones that need textures or masks we do not ship (frost, snow, fog,
+# spatter, glass/motion/defocus blur, elastic transform), are left out.
+GRAYSCALE_CORRUPTIONS: dict[str, Corruption] = {
+    "gaussian_noise": _gaussian_noise,
+    "shot_noise": _shot_noise,
+    "impulse_noise": _impulse_noise,
+    "speckle_noise": _speckle_noise,
+    "gaussian_blur": _gaussian_blur,
+    "zoom_blur": _zoom_blur,
+    "contrast": _contrast,
+    "brightness": _brightness,
+    "pixelate": _pixelate,
+    "jpeg_compression": _jpeg_compression,
+}
+
+
+def corrupt(images: np.ndarray, corruption: str, severity: int, seed: int) -> np.ndarray:
+    """``images`` (uint8 ``[N, H, W]``, grayscale) with ``corruption`` at ``severity``, deterministic in ``seed``."""
+    function = GRAYSCALE_CORRUPTIONS.get(corruption)
+    if function is None:
+        raise ConfigError(f"unknown corruption {corruption!r}: use one of {', '.join(GRAYSCALE_CORRUPTIONS)}")
+    if severity not in SEVERITIES:
+        raise ConfigError(f"corruption severity must be 1..5, got {severity}")
+    if images.dtype != np.uint8 or images.ndim != 3:
+        raise ValueError(f"images must be uint8 [N, H, W], got {images.dtype} {list(images.shape)}")
+    # One independent stream per (seed, corruption, severity): a set never depends on which others were made.
+    rng = np.random.default_rng([seed, list(GRAYSCALE_CORRUPTIONS).index(corruption), severity])
+    return _to_uint8(function(images.astype(np.float64) / 255.0, severity, rng))
+
+
+# ---------------------------------------------------------------- sources
+
+
+def load_ood(
+    name: str, target: OodTarget, *, limit: int | None = None, seed: int = 0, cache_dir: Path | None = None
+) -> list[OodPart]:
+    """The parts of OOD set ``name`` in ``target``'s image format; ``limit`` keeps that many images per part.
+
+    ``cache_dir`` is where generated sets are kept (``fmnist-c``); ``None`` generates them without caching.
+    """
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--ood-limit must be at least 1, got {limit}")
+    kind, _, path_text = name.partition(":")
+    path = Path(path_text).expanduser() if path_text else None
+    if kind == "fmnist-c":
+        if path is not None:
+            raise ConfigError("fmnist-c is generated from the run's Fashion-MNIST: it takes no path")
+        _check_dataset(name, target, "fmnist")
+        return _fmnist_c(target, limit, seed, cache_dir)
+    if kind == "cifar10-c":
+        _check_dataset(name, target, "cifar10")
+        return _cifar10_c(target, path, limit, seed)
+    if kind == "cifar10.1":
+        _check_dataset(name, target, "cifar10")
+        return _cifar10_1(target, path, limit, seed)
+    if kind == "imagefolder":
+        if path is None:
+            raise ConfigError("imagefolder needs a directory: --ood imagefolder:PATH")
+        return _imagefolder(target, path, limit, seed)
+    raise ConfigError(f"unknown OOD set {name!r}: use one of {', '.join(OOD_NAMES)}")
+
+
+def _check_dataset(name: str, target: OodTarget, dataset: str) -> None:
+    if target.dataset != dataset:
+        raise ConfigError(
+            f"{name} holds {dataset} classes, but this run was trained on {target.dataset}: "
+            "use an OOD set of the run's own classes (e.g. imagefolder:PATH)"
+        )
+
+
+def _subset_indices(count: int, limit: int | None, seed: int) -> np.ndarray:
+    """A random subset of ``limit`` of ``count`` images (all of them without a limit), in ascending order."""
+    if limit is None or limit >= count:
+        return np.arange(count)
+    return np.sort(np.random.default_rng([seed, count]).permutation(count)[:limit])
+
+
+def _in_run_format(images: torch.Tensor, labels: torch.Tensor, target: OodTarget) -> ImageSet:
+    return ImageSet(
+        images=resize_images(images, target.image_size, target.channels),
+        labels=labels.to(torch.int64),
+        num_classes=target.num_classes,
+    )
+
+
+def _fmnist_c(target: OodTarget, limit: int | None, seed: int, cache_dir: Path | None) -> list[OodPart]:
+    test = load_source("fmnist", target.data_dir).test
+    assert test is not None
+    indices = _subset_indices(len(test), limit, seed)
+    clean = test.images[indices, 0].numpy()
+    labels = test.labels[indices] if test.labels is not None else torch.empty(0, dtype=torch.int64)
+    # The cache key names the source by its content, so another --data-dir never gets this one's images.
+    digest = hashlib.sha256()
+    digest.update(test.images.numpy().tobytes())
+    digest.update(indices.tobytes())
+    key = f"fmnist-c-v{_CACHE_VERSION}-{digest.hexdigest()[:16]}-seed{seed}"
+    parts = []
+    for corruption in GRAYSCALE_CORRUPTIONS:
+        path = None if cache_dir is None else cache_dir / key / f"{corruption}.npz"
+        stacked = _cached_corruptions(path, clean, corruption, seed)
+        for severity, images in zip(SEVERITIES, stacked, strict=True):
+            data = _in_run_format(torch.from_numpy(images).unsqueeze(1), labels, target)
+            parts.append(OodPart(corruption, severity, data))
+    return parts
+
+
+def _cached_corruptions(path: Path | None, clean: np.ndarray, corruption: str, seed: int) -> np.ndarray:
+    """uint8 ``[5, N, H, W]``: ``clean`` at every severity of ``corruption``, read from or written to ``path``."""
+    expected = (len(SEVERITIES), *clean.shape)
+    if path is not None and path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as stored:
+                images = stored["images"]
+            if images.shape == expected and images.dtype == np.uint8:
+                return images
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is regenerated below
+    images = np.stack([corrupt(clean, corruption, severity, seed) for severity in SEVERITIES])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with tmp.open("wb") as handle:
+            np.savez_compressed(handle, images=images)
+        os.replace(tmp, path)
+    return images
+
+
+def _search_dirs(path: Path | None, target: OodTarget, subdirs: tuple[str, ...], name: str) -> list[Path]:
+    if path is not None:
+        return [path, *(path / sub for sub in subdirs)]
+    if target.data_dir is None:
+        raise DataError(f"{name} needs its files: pass --ood {name}:PATH, or train with --data-dir DIR holding them")
+    return [*(target.data_dir / sub for sub in subdirs), target.data_dir]
+
+
+def _load_npy(path: Path, *, mmap: bool = False) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot read {path}: {err}; replace it with a good copy") from err
+
+
+def _cifar10_c(target: OodTarget, path: Path | None, limit: int | None, seed: int) -> list[OodPart]:
+    dirs = _search_dirs(path, target, ("CIFAR-10-C",), "cifar10-c")
+    directory = next((d for d in dirs if (d / "labels.npy").is_file()), None)
+    if directory is None:
+        raise DataError(
+            "CIFAR-10-C not found: looked for labels.npy and <corruption>.npy in "
+            f"{', '.join(str(d) for d in dirs)}. Download CIFAR-10-C.tar from https://zenodo.org/records/2535967, "
+            "extract it and pass --ood cifar10-c:PATH/CIFAR-10-C (or put CIFAR-10-C/ in the run's --data-dir)"
+        )
+    files = sorted(p for p in directory.glob("*.npy") if p.name != "labels.npy")
+    if not files:
+        raise DataError(f"{directory} has labels.npy but no <corruption>.npy files; extract all of CIFAR-10-C there")
+    labels = _load_npy(directory / "labels.npy")
+    per_severity = len(labels) // len(SEVERITIES)
+    if labels.ndim != 1 or per_severity == 0 or len(labels) % len(SEVERITIES):
+        raise DataError(f"{directory / 'labels.npy'} should hold 5 stacked severities of labels, has {labels.shape}")
+    indices = _subset_indices(per_severity, limit, seed)
+    parts = []
+    for file in files:
+        stacked = _load_npy(file, mmap=True)
+        if stacked.shape[:1] != labels.shape or stacked.ndim != 4 or stacked.shape[-1] != 3:
+            raise DataError(
+                f"{file} should hold {len(labels)} images [N, H, W, 3] to match labels.npy, has {list(stacked.shape)}"
+            )
+        for severity in SEVERITIES:
+            chosen = (severity - 1) * per_severity + indices
+            images = torch.from_numpy(np.ascontiguousarray(stacked[chosen], dtype=np.uint8)).permute(0, 3, 1, 2)
+            data = _in_run_format(images, _labels(labels[chosen], target, file), target)
+            parts.append(OodPart(file.stem, severity, data))
+    return parts
+
+
+def _cifar10_1(target: OodTarget, path: Path | None, limit: int | None, seed: int) -> list[OodPart]:
+    dirs = _search_dirs(path, target, ("CIFAR-10.1", "CIFAR-10.1/datasets", "datasets"), "cifar10.1")
+    data_name, labels_name = "cifar10.1_v6_data.npy", "cifar10.1_v6_labels.npy"
+    directory = next((d for d in dirs if (d / data_name).is_file() and (d / labels_name).is_file()), None)
+    if directory is None:
+        raise DataError(
+            f"CIFAR-10.1 not found: looked for {data_name} and {labels_name} in {', '.join(str(d) for d in dirs)}. "
+            "Get them from https://github.com/modestyachts/CIFAR-10.1 (datasets/) and pass --ood cifar10.1:PATH "
+            "(or put them in the run's --data-dir/CIFAR-10.1/)"
+        )
+    images = _load_npy(directory / data_name)
+    labels = _load_npy(directory / labels_name)
+    if images.ndim != 4 or images.shape[-1] != 3 or labels.shape != images.shape[:1]:
+        raise DataError(
+            f"{directory / data_name} should hold images [N, 32, 32, 3] and {labels_name} N labels; "
+            f"found {list(images.shape)} and {list(labels.shape)}"
+        )
+    indices = _subset_indices(len(labels), limit, seed)
+    tensor = torch.from_numpy(np.ascontiguousarray(images[indices], dtype=np.uint8)).permute(0, 3, 1, 2)
+    data = _in_run_format(tensor, _labels(labels[indices], target, directory / labels_name), target)
+    return [OodPart("cifar10.1", None, data)]
+
+
+def _labels(values: np.ndarray, target: OodTarget, source: Path) -> torch.Tensor:
+    labels = torch.from_numpy(np.asarray(values).astype(np.int64))
+    if len(labels) and (labels.min() < 0 or labels.max() >= target.num_classes):
+        raise DataError(f"{source} has label {int(labels.max())}, outside the run's 0..{target.num_classes - 1}")
+    return labels
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _class_index(folder: str, target: OodTarget) -> int | None:
+    if folder.isdigit():
+        index = int(folder)
+        return index if index < target.num_classes else None
+    names = [_normalized(n) for n in CLASS_NAMES.get(target.dataset, ())]
+    wanted = _normalized(folder)
+    return names.index(wanted) if wanted in names else None
+
+
+def _imagefolder(target: OodTarget, path: Path, limit: int | None, seed: int) -> list[OodPart]:
+    from PIL import Image, UnidentifiedImageError  # deferred: Pillow comes with torchvision
+
+    if not path.is_dir():
+        raise DataError(f"imagefolder: {path} is not a directory; it should hold one sub-folder of images per class")
+    known = CLASS_NAMES.get(target.dataset)
+    naming = f"0..{target.num_classes - 1}" + (f" or a class name ({', '.join(known)})" if known else "")
+    files: list[tuple[Path, int]] = []
+    for folder in sorted(p for p in path.iterdir() if p.is_dir()):
+        index = _class_index(folder.name, target)
+        if index is None:
+            raise DataError(f"imagefolder: sub-folder {folder} is not a class of this run: name it {naming}")
+        files += [(f, index) for f in sorted(folder.iterdir()) if f.suffix.lower() in _IMAGE_SUFFIXES]
+    if not files:
+        raise DataError(f"imagefolder: no images in {path}/<class>/ (sub-folders named {naming}, image files inside)")
+    mode = "L" if target.channels == 1 else "RGB"
+    chosen = _subset_indices(len(files), limit, seed)
+    images, labels = [], []
+    for i in chosen:
+        file, label = files[i]
+        try:
+            with Image.open(file) as image:
+                pixels = np.asarray(image.convert(mode), dtype=np.uint8)
+        except (OSError, UnidentifiedImageError) as err:
+            raise DataError(f"imagefolder: cannot read {file}: {err}") from err
+        tensor = torch.from_numpy(pixels.reshape(*pixels.shape[:2], -1).copy()).permute(2, 0, 1).unsqueeze(0)
+        images.append(resize_images(tensor, target.image_size, target.channels))
+        labels.append(label)
+    data = ImageSet(torch.cat(images), torch.tensor(labels, dtype=torch.int64), target.num_classes)
+    return [OodPart("imagefolder", None, data)]

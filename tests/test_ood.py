@@ -1,0 +1,163 @@
+"""OOD sets: generated Fashion-MNIST corruptions, the CIFAR-10-C / CIFAR-10.1 / image-folder loaders, `eval --ood`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from peradapt.data.ood import GRAYSCALE_CORRUPTIONS, SEVERITIES, OodTarget, corrupt, load_ood
+from peradapt.errors import ConfigError, DataError
+
+from .conftest import striped_images
+from .test_cli import run_cli, tiny_args
+
+NOISES = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise")
+
+
+@pytest.fixture(scope="module")
+def clean() -> np.ndarray:
+    return striped_images(64, seed=5)[0].astype(np.uint8)
+
+
+def change(images: np.ndarray, clean: np.ndarray) -> float:
+    return float(np.abs(images.astype(np.float64) - clean).mean())
+
+
+@pytest.mark.parametrize("corruption", list(GRAYSCALE_CORRUPTIONS))
+def test_corruption_is_deterministic_and_changes_the_images(corruption, clean):
+    first = corrupt(clean, corruption, 3, seed=7)
+    assert first.dtype == np.uint8 and first.shape == clean.shape
+    np.testing.assert_array_equal(first, corrupt(clean, corruption, 3, seed=7))
+    assert change(first, clean) > 1.0
+    if corruption in NOISES:  # random corruptions follow the seed
+        assert not np.array_equal(first, corrupt(clean, corruption, 3, seed=8))
+
+
+@pytest.mark.parametrize("corruption", [*NOISES, "gaussian_blur", "contrast", "brightness", "zoom_blur"])
+def test_higher_severity_changes_the_images_more(corruption, clean):
+    changes = [change(corrupt(clean, corruption, severity, seed=0), clean) for severity in SEVERITIES]
+    assert all(a < b for a, b in itertools.pairwise(changes)), changes
+
+
+def test_reference_formulas_on_known_values():
+    flat = np.full((1, 8, 8), 100, dtype=np.uint8)
+    # brightness 5: +0.3 in [0, 1]; contrast of a flat image: unchanged; blur of a flat image: unchanged.
+    assert corrupt(flat, "brightness", 5, 0)[0, 0, 0] == int((100 / 255 + 0.3) * 255)
+    assert np.abs(corrupt(flat, "contrast", 5, 0).astype(int) - 100).max() <= 1
+    assert np.abs(corrupt(flat, "gaussian_blur", 5, 0).astype(int) - 100).max() <= 1
+    with pytest.raises(ConfigError, match="severity"):
+        corrupt(flat, "contrast", 6, 0)
+    with pytest.raises(ConfigError, match="unknown corruption"):
+        corrupt(flat, "fog", 1, 0)
+
+
+def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
+    target = OodTarget("fmnist", 10, image_size=32, channels=3, data_dir=fmnist_dir)
+    parts = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
+    assert [(p.corruption, p.severity) for p in parts] == [(c, s) for c in GRAYSCALE_CORRUPTIONS for s in SEVERITIES]
+    assert all(p.images.images.shape == (20, 3, 32, 32) and len(p.images.labels) == 20 for p in parts)
+    cached = sorted(tmp_path.rglob("*.npz"))
+    assert len(cached) == len(GRAYSCALE_CORRUPTIONS)
+    # A second load reads the cache: make it recognizable, and check it is what comes back.
+    path = next(p for p in cached if p.name == "contrast.npz")
+    with np.load(path) as stored:
+        images = stored["images"].copy()
+    images[:] = 7
+    np.savez_compressed(path, images=images)
+    again = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
+    assert all(bool((p.images.images == 7).all()) == (p.corruption == "contrast") for p in again)
+    # Another seed is another cache entry with other noise.
+    other = load_ood("fmnist-c", target, limit=20, seed=1, cache_dir=tmp_path)
+    assert not torch.equal(other[0].images.images, parts[0].images.images)
+    with pytest.raises(ConfigError, match="cifar10"):
+        load_ood("fmnist-c", OodTarget("cifar10", 10, 32, 3, fmnist_dir), cache_dir=None)
+
+
+def test_cifar10_c_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "data" / "CIFAR-10-C"
+    root.mkdir(parents=True)
+    labels = np.tile(np.arange(10, dtype=np.uint8), 5 * 3)  # 30 per severity
+    np.save(root / "labels.npy", labels)
+    for name in ("fog", "gaussian_noise"):
+        np.save(root / f"{name}.npy", rng.integers(0, 256, (len(labels), 32, 32, 3), dtype=np.uint8))
+    target = OodTarget("cifar10", 10, image_size=32, channels=3, data_dir=tmp_path / "data")
+    parts = load_ood("cifar10-c", target)
+    assert [p.key for p in parts] == [f"{c}-{s}" for c in ("fog", "gaussian_noise") for s in SEVERITIES]
+    stacked = np.load(root / "fog.npy")
+    fog3 = next(p for p in parts if p.key == "fog-3")
+    np.testing.assert_array_equal(fog3.images.images.permute(0, 2, 3, 1).numpy(), stacked[60:90])
+    limited = load_ood(f"cifar10-c:{root}", OodTarget("cifar10", 10, 16, 1), limit=7)
+    assert all(p.images.images.shape == (7, 1, 16, 16) for p in limited)
+    # The same test images at every severity.
+    assert all(torch.equal(p.images.labels, limited[0].images.labels) for p in limited)
+    with pytest.raises(DataError, match="CIFAR-10-C not found"):
+        load_ood(f"cifar10-c:{tmp_path / 'nowhere'}", target)
+
+
+def test_cifar10_1_layout(tmp_path):
+    rng = np.random.default_rng(1)
+    folder = tmp_path / "CIFAR-10.1" / "datasets"
+    folder.mkdir(parents=True)
+    data = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
+    np.save(folder / "cifar10.1_v6_data.npy", data)
+    np.save(folder / "cifar10.1_v6_labels.npy", np.arange(12) % 10)
+    [part] = load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path))
+    assert part.key == "cifar10.1" and part.images.labels.tolist() == [i % 10 for i in range(12)]
+    np.testing.assert_array_equal(part.images.images.permute(0, 2, 3, 1).numpy(), data)
+    with pytest.raises(DataError, match=r"cifar10\.1_v6_data\.npy"):
+        load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path / "empty"))
+    with pytest.raises(DataError, match="--data-dir"):
+        load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3))
+
+
+def test_imagefolder_with_numeric_and_named_classes(tmp_path):
+    root = tmp_path / "ood"
+    for folder, value in (("0", 10), ("Trouser", 200), ("ankle_boot", 90)):
+        (root / folder).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.full((40, 30, 3), value + i, dtype=np.uint8)).save(root / folder / f"{i}.png")
+    (root / "Trouser" / "notes.txt").write_text("not an image")
+    [part] = load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, image_size=28, channels=1))
+    assert part.images.images.shape == (6, 1, 28, 28)
+    assert part.images.labels.tolist() == [0, 0, 1, 1, 9, 9]
+    assert part.images.images[2].float().mean().item() == pytest.approx(200, abs=1)
+    (root / "socks").mkdir()
+    with pytest.raises(DataError, match="socks"):
+        load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, 28, 1))
+    with pytest.raises(DataError, match="not a directory"):
+        load_ood(f"imagefolder:{tmp_path / 'missing'}", OodTarget("fmnist", 10, 28, 1))
+    with pytest.raises(ConfigError, match="unknown OOD set"):
+        load_ood("svhn", OodTarget("fmnist", 10, 28, 1))
+
+
+def test_eval_ood_cli_writes_per_corruption_results(home, fmnist_dir, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    code, _, err = run_cli(tiny_args(fmnist_dir, run, "--rounds", "1"), capsys, monkeypatch)
+    assert code == 0, err
+    code, out, err = run_cli(["eval", "--run", str(run), "--ood", "fmnist-c", "--ood-limit", "50"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "gaussian_noise-5" in out and "average" in out and "ood-fmnist-c.json" in out
+    result = json.loads((run / "ood-fmnist-c.json").read_text())
+    assert result["clients"] == [0, 1, 2, 3] and result["limit"] == 50
+    parts = result["parts"]
+    assert [(p["corruption"], p["severity"]) for p in parts] == [
+        (c, s) for c in GRAYSCALE_CORRUPTIONS for s in SEVERITIES
+    ]
+    for row in [*parts, *result["corruptions"], result["average"]]:
+        assert len(row["personalized"]) == 4 and all(0 <= a <= 1 for a in row["personalized"])
+        assert row["personalized_mean"] == pytest.approx(np.mean(row["personalized"]))
+        assert 0 <= row["global"] <= 1
+    assert all(p["size"] == 50 for p in parts)
+    assert len(result["corruptions"]) == len(GRAYSCALE_CORRUPTIONS)
+    assert list((home / "ood").rglob("contrast.npz"))
+    # Plain `eval` is unchanged; wrong uses are one-line errors.
+    code, _, err = run_cli(["eval", "--run", str(run), "--ood-limit", "5"], capsys, monkeypatch)
+    assert code == 2 and "--ood-limit needs --ood" in err
+    code, _, err = run_cli(["eval", "--run", str(run), "--ood", "cifar10-c"], capsys, monkeypatch)
+    assert code == 2 and "fmnist" in err
