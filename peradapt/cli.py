@@ -250,9 +250,19 @@ def export(
 @app.command()
 def personalize(
     run: RunDir,
-    new_client: Annotated[str, Opt(help="Id of a client the run held out with --holdout-clients.", show_default=False)],
+    new_client: Annotated[
+        str,
+        Opt(
+            help="Id of a client the run held out with --holdout-clients, or a directory of the new client's images: "
+            "DIR/<class>/<images> (a quarter kept for its test) or DIR/train/<class>/ and DIR/test/<class>/.",
+            show_default=False,
+        ),
+    ],
 ) -> None:
-    """Personalize a client that never took part in training, from the run's global model, with the run's method."""
+    """Personalize a client that never took part in training, from the run's global model, with the run's method.
+
+    Prints its local-test accuracy with the global model and with its personalized model; writes the model and
+    result.json under RUN/new_clients/<name>/."""
     from peradapt.newclients import personalize_new_client
 
     result = personalize_new_client(run, new_client)

@@ -1,48 +1,58 @@
 """New clients: personalize a client that never took part in training, from a finished run's global model.
 
-`peradapt train --holdout-clients K` keeps the last K client ids out of the federation; their data split is in
-partition.json. `personalize_new_client` trains such a client's personalized model from the exported global
-model with the run's own method (`Method.personalize_new_client`), measures its local-test accuracy with the
-global model before and with the personalized model after, and exports it under `new_clients/<id>/` in the
-same layout as `clients/<id>/`, with the accuracies in `new_clients/<id>/result.json`.
+A new client is either a client that `peradapt train --holdout-clients K` kept out of the federation (the last K
+ids; their data split is in partition.json) or a directory of the new client's own images. `personalize_new_client`
+trains its personalized model from the exported global model with the run's own method
+(`Method.personalize_new_client`), measures its local-test accuracy with the global model before and with the
+personalized model after, and exports it under `new_clients/<name>/` in the same layout as `clients/<id>/`, with
+the accuracies in `new_clients/<name>/result.json`.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from peradapt.errors import RunError
+import numpy as np
+
+from peradapt.data import ClientData
+from peradapt.data.ood import load_imagefolder
+from peradapt.errors import DataError, RunError
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.seeds import derive_seed
 from peradapt.federation.session import RunPaths, Session
-from peradapt.runs import open_run
+from peradapt.runs import image_target, open_run
 
 NEW_CLIENT = 12  # seed phase of a new client's personalization
 NEW_CLIENTS_DIR = "new_clients"
+TEST_SHARE = 0.25  # of a new client's images kept for its local test when its directory has no train/ and test/
 
 
 def personalize_new_client(run_dir: Path, spec: str) -> dict:
-    """Personalize held-out client `spec` of the finished run in `run_dir`; returns what result.json records."""
+    """Personalize new client `spec` (held-out id or image directory) of the finished run in `run_dir`.
+
+    Returns what `new_clients/<name>/result.json` records.
+    """
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
-    client_id = _held_out_id(session, spec, run_dir)
+    name, client = _new_client(session, spec, run_dir)
     if not paths.global_adapter.is_dir() or not paths.report.is_file():
         raise RunError(
             f"{run_dir} is not finished (no exported global model): finish it with "
             f"`peradapt train --out {run_dir} --resume`"
         )
     global_state = session.model.load_pretrained(paths.global_adapter)
-    client = session.data.clients[client_id]
     trainer, config = session.trainer, session.config
     before = trainer.accuracy(global_state, client.test)
     personal = session.method.personalize_new_client(
-        client, global_state, derive_seed(config.seed, client_id, NEW_CLIENT)
+        client, global_state, derive_seed(config.seed, client.client_id, NEW_CLIENT)
     )
     after = trainer.accuracy(personal, client.test)
-    out = paths.root / NEW_CLIENTS_DIR / str(client_id)
+    out = paths.root / NEW_CLIENTS_DIR / name
     session.model.save_pretrained(out, personal)
     result = {
-        "client": client_id,
+        "client": name,
+        "source": spec,
         "method": config.method.method,
         "train_samples": len(client.train),
         "test_samples": len(client.test),
@@ -54,16 +64,37 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
     return result
 
 
-def _held_out_id(session: Session, spec: str, run_dir: Path) -> int:
+def _new_client(session: Session, spec: str, run_dir: Path) -> tuple[str, ClientData]:
     held_out = [client.client_id for client in session.held_out_clients]
-    known = ", ".join(map(str, held_out)) if held_out else "none (train with --holdout-clients K to keep K out)"
-    try:
+    if spec.isdigit():
         client_id = int(spec)
-    except ValueError:
-        raise RunError(f"--new-client must be a held-out client id of this run; held-out clients: {known}") from None
-    if client_id not in held_out:
+        if client_id not in held_out:
+            known = ", ".join(map(str, held_out)) if held_out else "none (train with --holdout-clients K)"
+            raise RunError(
+                f"client {client_id} is not held out in {run_dir}: --new-client must be one of the held-out "
+                f"clients ({known}) or a directory of images"
+            )
+        return spec, session.data.clients[client_id]
+    path = Path(spec).expanduser()
+    if not path.is_dir():
         raise RunError(
-            f"client {client_id} is not held out in {run_dir}: "
-            f"--new-client must be one of the held-out clients: {known}"
+            f"--new-client {spec!r} is neither a held-out client id of this run nor a directory of images "
+            "(DIR/<class>/<images>, or DIR/train/<class>/ and DIR/test/<class>/)"
         )
-    return client_id
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name), _directory_client(session, path)
+
+
+def _directory_client(session: Session, path: Path) -> ClientData:
+    """The images of `path` as a client: DIR/train and DIR/test when both exist, else a seeded split of DIR."""
+    target = image_target(session)
+    if (path / "train").is_dir() and (path / "test").is_dir():
+        train, test = (load_imagefolder(path / split, target) for split in ("train", "test"))
+    else:
+        images = load_imagefolder(path, target)
+        if len(images) < 2:
+            raise DataError(f"{path} holds {len(images)} image: a new client needs at least 2 (train and test)")
+        order = np.random.default_rng([session.config.seed, NEW_CLIENT]).permutation(len(images))
+        test_size = max(1, round(TEST_SHARE * len(images)))
+        test, train = images.subset(np.sort(order[:test_size])), images.subset(np.sort(order[test_size:]))
+    empty = np.empty(0, dtype=np.int64)  # its images are not in the run's data
+    return ClientData(len(session.data.clients), train, test, empty, empty)

@@ -1,9 +1,10 @@
 """`peradapt report`: plots and a comparison table of finished runs, from their own files.
 
 Per run it reads `config.json` (scope), `metrics.jsonl` (accuracies of the evaluation rounds, `--eval-every`),
-`report.json` (the final evaluation: per client, personalized and global) and any `ood-<name>.json` (accuracy on
-an out-of-distribution set; the average over sets is reported). Nothing is re-evaluated: the numbers are exactly
-the ones `train` wrote. It writes `accuracy_per_round.png`, `per_client.png`, `summary.md` and `summary.json`
+`report.json` (the final evaluation: per client, personalized and global), any `ood-<name>.json` (`peradapt eval
+--ood NAME`: accuracy on an out-of-distribution set, averaged over its parts) and any
+`new_clients/<id>/result.json` (`peradapt personalize`). Nothing is re-evaluated: the numbers are exactly the
+ones those commands wrote. It writes `accuracy_per_round.png`, `per_client.png`, `summary.md` and `summary.json`
 into `out`: by default the run directory itself for one run, `reports/` for several.
 """
 
@@ -20,6 +21,7 @@ from peradapt.errors import RunError
 from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.federation.session import RunPaths, read_run_config
+from peradapt.newclients import NEW_CLIENTS_DIR
 
 DEFAULT_OUT = Path("reports")
 OOD_PREFIX = "ood-"
@@ -67,9 +69,7 @@ def _load_run(run: Path) -> dict:
     config, resolved = read_run_config(run)  # refuses directories without a readable config.json
     paths = RunPaths(run)
     if not paths.report.is_file():
-        raise RunError(
-            f"{run} has not finished (no report.json): finish it with `peradapt train --out {run} --resume`"
-        )
+        raise RunError(f"{run} has not finished (no report.json): finish it with `peradapt train --out {run} --resume`")
     report = _read_json(paths.report)
     if not isinstance(report, dict) or not {"method", "seed", "clients", "personalized", "global"} <= report.keys():
         raise RunError(f"{paths.report} is not a report written by `peradapt train`")
@@ -96,38 +96,25 @@ def _read_metrics(path: Path) -> list[dict]:
     return records
 
 
-def _accuracy(value: Any) -> float | None:
-    """Mean accuracy in percent from a number, a per-client list, {"mean": ...} or {"per_client": [...]}."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value) * (100 if value <= 1 else 1)  # the engine writes fractions
-    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-        return _accuracy(float(np.mean(value)))
-    if isinstance(value, dict):
-        for key in ("mean", "per_client", "accuracy", "local_test", "ood", "test"):
-            if key in value:
-                return _accuracy(value[key])
-        if len(value) == 1:
-            return _accuracy(next(iter(value.values())))
-    return None
+def _percent(value: float | dict) -> float:
+    """A report.json entry in percent: a fraction, or {"mean": fraction, ...} for per-client values."""
+    return 100 * float(value["mean"] if isinstance(value, dict) else value)
 
 
-def _read_ood(run: Path) -> dict[str, float]:
-    """Name -> mean accuracy % of the personalized adapters (or of what the file holds) on each OOD set."""
+def _read_ood(run: Path) -> dict[str, dict[str, float]]:
+    """OOD set name -> mean over clients of the personalized adapters and the global adapter, in percent,
+    averaged over the set's parts (from `peradapt eval --ood NAME`)."""
     ood = {}
     for path in sorted(run.glob(f"{OOD_PREFIX}*.json")):
         data = _read_json(path)
-        value = None
-        if isinstance(data, dict):
-            summary = data.get("summary", {})
-            flat = [v for k, v in summary.items() if k.startswith("personalized") and not k.endswith("_std")]
-            value = _accuracy(data.get("personalized"))
-            if value is None and flat:
-                value = _accuracy(flat[0])
-        value = value if value is not None else _accuracy(data)
-        if value is not None:  # files of another layout are left out rather than guessed at
-            ood[path.stem[len(OOD_PREFIX) :]] = value
+        try:
+            average = data["average"]
+            ood[data["ood"]] = {
+                "personalized": _percent(average["personalized_mean"]),
+                "global": _percent(average["global"]),
+            }
+        except (KeyError, TypeError) as exc:
+            raise RunError(f"{path} is not written by `peradapt eval --ood` (missing {exc})") from None
     return ood
 
 
@@ -145,26 +132,21 @@ def _label_runs(loaded: list[dict]) -> None:
 
 def _final(report: dict) -> dict[str, float]:
     """The report's final accuracies under the metrics.jsonl keys, in percent."""
-    final = {}
-    for who in ("personalized", "global"):
-        for split, value in report[who].items():
-            accuracy = _accuracy(value)
-            if accuracy is not None:
-                final[f"{who}_{split}"] = accuracy
-    return final
+    return {
+        f"{who}_{split}": _percent(value) for who in ("personalized", "global") for split, value in report[who].items()
+    }
 
 
 def _plot_results(run: dict) -> RunResults:
     report = run["report"]
-    rounds = int(report.get("rounds") or len(run["history"]))
+    rounds = int(report["rounds"])
     final = _final(report)
     curves = {}
     for key, _, _ in ROUND_METRICS:
-        points = {int(r["round"]): 100 * float(r[key]) for r in run["history"] if key in r and "round" in r}
+        points = {int(r["round"]): 100 * float(r[key]) for r in run["history"] if key in r}
         if key in final:
             points[rounds] = final[key]  # the last round ends where report.json says
         curves[key] = sorted(points.items())
-    ood = run["ood"]
     return RunResults(
         label=run["label"],
         rounds=rounds,
@@ -172,36 +154,47 @@ def _plot_results(run: dict) -> RunResults:
         clients=list(report["clients"]),
         personalized_local=[100 * v for v in report["personalized"]["local_test"]["per_client"]],
         global_local=[100 * v for v in report["global"]["local_test"]["per_client"]],
-        ood_average=float(np.mean(list(ood.values()))) if ood else None,
+        ood=run["ood"],
     )
 
 
-def _stats(entry: Any) -> dict[str, float] | float | None:
-    if isinstance(entry, dict) and "mean" in entry:
-        return {"mean": 100 * float(entry["mean"]), "std": 100 * float(entry.get("std", 0.0))}
-    if isinstance(entry, (int, float)):
-        return 100 * float(entry)
-    return None
+def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
+    if isinstance(entry, dict):
+        return {"mean": 100 * float(entry["mean"]), "std": 100 * float(entry["std"])}
+    return None if entry is None else 100 * float(entry)
+
+
+def _read_new_clients(run: Path) -> dict | None:
+    """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model."""
+    results = [_read_json(path) for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json"))]
+    if not results:
+        return None
+    return {
+        "clients": len(results),
+        "before": float(np.mean([100 * r["before"]["local_test"] for r in results])),
+        "after": float(np.mean([100 * r["after"]["local_test"] for r in results])),
+    }
 
 
 def _row(run: dict) -> dict:
-    report, ood = run["report"], run["ood"]
+    report = run["report"]
     return {
         "run": str(run["path"]),
         "label": run["label"],
         "method": report["method"],
         "seed": report["seed"],
         "scope": run["scope"],
-        "data": report.get("data"),
-        "rounds": report.get("rounds"),
+        "data": report["data"],
+        "rounds": report["rounds"],
         "clients": len(report["clients"]),
-        "personalized_local_test": _stats(report["personalized"].get("local_test")),
-        "personalized_global_test": _stats(report["personalized"].get("global_test")),
-        "global_local_test": _stats(report["global"].get("local_test")),
-        "global_global_test": _stats(report["global"].get("global_test")),
-        "ood": ood,
-        "ood_average": float(np.mean(list(ood.values()))) if ood else None,
+        **{key: _stats(report[who].get(split)) for key, who, split in _ACCURACY_ENTRIES},
+        "ood": run["ood"],
+        "new_clients": _read_new_clients(run["path"]),
     }
+
+
+# (summary key, report.json model, split) for the table's accuracy columns, in `peradapt compare`'s order
+_ACCURACY_ENTRIES = [(key, *key.split("_", 1)) for key, _ in ACCURACIES]
 
 
 def _cell(value: dict[str, float] | float | None) -> str:
@@ -213,11 +206,16 @@ def _cell(value: dict[str, float] | float | None) -> str:
 
 
 def markdown_summary(rows: list[dict]) -> str:
-    """The comparison table; accuracy columns and their names as in `peradapt compare`."""
-    headers = ["run", "method", "seed", "scope", *(label for _, label in ACCURACIES), "OOD avg"]
+    """The comparison table; accuracy columns and their names as in `peradapt compare`, then OOD and new clients."""
+    ood_names = sorted({name for row in rows for name in row["ood"]})
+    new_clients = any(row["new_clients"] for row in rows)
+    headers = ["run", "method", "seed", "scope", *(label for _, label in ACCURACIES)]
+    headers += [f"{name} (personalized / global)" for name in ood_names]
+    headers += ["new clients: global → personalized"] if new_clients else []
     lines = [
-        "Accuracy % (mean ± std over clients) of each run's personalized adapters; "
-        "`global-test of w`: the global adapter; `OOD avg`: mean over the run's ood-*.json sets.",
+        "Accuracy % (mean ± std over clients) of each run's personalized models; `global-test of w`: the global "
+        "model. OOD columns: mean over clients and over the set's corruptions and severities (`peradapt eval --ood`). "
+        "New clients: mean local-test of the held-out clients before and after `peradapt personalize`.",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "---|" * len(headers),
@@ -225,6 +223,11 @@ def markdown_summary(rows: list[dict]) -> str:
     for row in rows:
         cells = [f"`{row['run']}`", row["method"], str(row["seed"]), row["scope"]]
         cells += [_cell(row[key]) for key, _ in ACCURACIES]
-        cells.append(_cell(row["ood_average"]))
+        for name in ood_names:
+            ood = row["ood"].get(name)
+            cells.append("-" if ood is None else f"{ood['personalized']:.2f} / {ood['global']:.2f}")
+        if new_clients:
+            new = row["new_clients"]
+            cells.append("-" if new is None else f"{new['before']:.2f} → {new['after']:.2f} ({new['clients']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ import numpy as np
 from rich.table import Table
 
 from peradapt.backbones import BackboneInfo, save_backbone
+from peradapt.data.ood import OodTarget
 from peradapt.errors import RunError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
@@ -49,6 +50,18 @@ def evaluate_run(run_dir: Path) -> dict:
     return evaluation
 
 
+def image_target(session: Session) -> OodTarget:
+    """The image format and classes that the run's models take, for data from outside the run."""
+    data_dir = session.config.data.data_dir
+    return OodTarget(
+        dataset=session.config.data.data,
+        num_classes=session.data.num_classes,
+        image_size=session.data.image_size,
+        channels=session.data.channels,
+        data_dir=None if data_dir is None else Path(data_dir),
+    )
+
+
 def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0) -> dict:
     """Accuracy of every exported personalized adapter and of the global adapter on each part of OOD set ``name``.
 
@@ -57,20 +70,12 @@ def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed
     accuracies, their mean and std, and the global adapter's accuracy.
     """
     from peradapt.backbones import peradapt_home
-    from peradapt.data.ood import OodTarget, load_ood
+    from peradapt.data.ood import load_ood
 
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
     personal, global_state = _exported_states(session, paths)
-    data_dir = session.config.data.data_dir
-    target = OodTarget(
-        dataset=session.config.data.data,
-        num_classes=session.data.num_classes,
-        image_size=session.data.image_size,
-        channels=session.data.channels,
-        data_dir=None if data_dir is None else Path(data_dir),
-    )
-    parts = load_ood(name, target, limit=limit, seed=seed, cache_dir=peradapt_home() / "ood")
+    parts = load_ood(name, image_target(session), limit=limit, seed=seed, cache_dir=peradapt_home() / "ood")
     clients = sorted(personal)
     # Model by model, so each adapter is loaded once for all the parts.
     personal_acc = {c: [session.trainer.accuracy(personal[c], part.images) for part in parts] for c in clients}

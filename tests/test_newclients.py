@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from peradapt.cli import main
 from peradapt.config import TrainConfig
@@ -58,7 +59,7 @@ def test_personalize_perada_new_client_records_before_and_after(holdout_run, cap
     exported = holdout_run / "new_clients" / str(HELD_OUT)
     result = json.loads((exported / "result.json").read_text())
     before, after = result["before"]["local_test"], result["after"]["local_test"]
-    assert result["client"] == HELD_OUT and result["method"] == "perada"
+    assert result["client"] == str(HELD_OUT) and result["method"] == "perada"
     assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0 and after != before
     assert f"{100 * before:.2f}%" in out and f"{100 * after:.2f}%" in out
     assert (exported / "adapter_config.json").is_file()
@@ -98,10 +99,10 @@ def test_personalize_apfl_new_client_learns_from_the_fixed_global_model(
 
 
 def test_personalize_refuses_clients_that_were_not_held_out(holdout_run, capsys, monkeypatch, home):
-    for spec in ("0", "7", "somewhere"):
+    for spec, message in (("0", "held-out clients (3)"), ("7", "held-out clients (3)"), ("somewhere", "directory")):
         code, _, err = run_cli(["personalize", "--run", str(holdout_run), "--new-client", spec], capsys, monkeypatch)
         assert code == 2
-        assert "held-out clients: 3" in err and len(err.strip().splitlines()) == 1
+        assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_personalize_refuses_unfinished_runs(holdout_run, tmp_path, capsys, monkeypatch, home):
@@ -170,3 +171,41 @@ def test_every_method_personalizes_a_new_client_from_the_global_model(method, fm
     if isinstance(method_object, PartialModel):  # only the personal part trains; the shared part is the global one
         assert changed <= set(method_object.personal)
         assert all(torch.equal(state[k], global_state[k]) for k in method_object.shared)
+
+
+def write_imagefolder(directory: Path, images: torch.Tensor, labels: torch.Tensor) -> None:
+    for index, (image, label) in enumerate(zip(images, labels, strict=True)):
+        (directory / str(int(label))).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0].numpy()).save(directory / str(int(label)) / f"{index:04d}.png")
+
+
+def test_personalize_a_directory_of_images(holdout_run, tmp_path, capsys, monkeypatch, home):
+    """The held-out client's own images, written as image folders: the same data, so the same global accuracy."""
+    session = open_run(holdout_run)
+    client = session.data.clients[HELD_OUT]
+    new = tmp_path / "hospital b"
+    write_imagefolder(new / "train", client.train.images, client.train.labels)
+    write_imagefolder(new / "test", client.test.images, client.test.labels)
+    code, _, err = run_cli(["personalize", "--run", str(holdout_run), "--new-client", str(new)], capsys, monkeypatch)
+    assert code == 0, err
+    exported = holdout_run / "new_clients" / "hospital_b"
+    result = json.loads((exported / "result.json").read_text())
+    assert result["client"] == "hospital_b" and result["source"] == str(new)
+    assert (result["train_samples"], result["test_samples"]) == (len(client.train), len(client.test))
+    global_state = session.model.load_pretrained(holdout_run / "global")
+    assert result["before"]["local_test"] == pytest.approx(session.trainer.accuracy(global_state, client.test))
+    personal = session.model.load_pretrained(exported)
+    assert session.trainer.accuracy(personal, client.test) == pytest.approx(result["after"]["local_test"])
+
+    # One folder of classes: a quarter of the images become its test split.
+    mixed = tmp_path / "clinic"
+    write_imagefolder(mixed, client.train.images[:20], client.train.labels[:20])
+    code, _, err = run_cli(["personalize", "--run", str(holdout_run), "--new-client", str(mixed)], capsys, monkeypatch)
+    assert code == 0, err
+    result = json.loads((holdout_run / "new_clients" / "clinic" / "result.json").read_text())
+    assert (result["train_samples"], result["test_samples"]) == (15, 5)
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    code, _, err = run_cli(
+        ["personalize", "--run", str(holdout_run), "--new-client", str(tmp_path / "empty")], capsys, monkeypatch
+    )
+    assert code == 2 and "no images" in err

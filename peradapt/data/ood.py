@@ -400,6 +400,11 @@ def _class_index(folder: str, target: OodTarget) -> int | None:
 
 
 def _imagefolder(target: OodTarget, path: Path, limit: int | None, seed: int) -> list[OodPart]:
+    return [OodPart("imagefolder", None, load_imagefolder(path, target, limit=limit, seed=seed))]
+
+
+def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None, seed: int = 0) -> ImageSet:
+    """``path/<class>/<image files>`` in ``target``'s format; ``limit`` keeps a random subset of that many images."""
     from PIL import Image, UnidentifiedImageError  # deferred: Pillow comes with torchvision
 
     if not path.is_dir():
@@ -427,5 +432,4 @@ def _imagefolder(target: OodTarget, path: Path, limit: int | None, seed: int) ->
         tensor = torch.from_numpy(pixels.reshape(*pixels.shape[:2], -1).copy()).permute(2, 0, 1).unsqueeze(0)
         images.append(resize_images(tensor, target.image_size, target.channels))
         labels.append(label)
-    data = ImageSet(torch.cat(images), torch.tensor(labels, dtype=torch.int64), target.num_classes)
-    return [OodPart("imagefolder", None, data)]
+    return ImageSet(torch.cat(images), torch.tensor(labels, dtype=torch.int64), target.num_classes)

@@ -24,7 +24,7 @@ ROUND_METRICS = (
 PANEL_TITLES = {
     "local": "local-test (each client's own test split)",
     "global": "global-test (union of the clients' test splits)",
-    "ood": "OOD (mean over sets, after the last round)",
+    "ood": "OOD sets (after the last round)",
 }
 
 
@@ -38,7 +38,7 @@ class RunResults:
     clients: list[int] = field(default_factory=list)
     personalized_local: list[float] = field(default_factory=list)  # per client, same order as clients
     global_local: list[float] = field(default_factory=list)
-    ood_average: float | None = None
+    ood: dict[str, dict[str, float]] = field(default_factory=dict)  # set name -> personalized / global, after the end
 
 
 def _figure(size: tuple[float, float]):  # -> matplotlib.figure.Figure
@@ -64,7 +64,7 @@ def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
     """One panel per test set (local-test, global-test, and OOD when a run has it); one line per run and model."""
     from matplotlib.ticker import MaxNLocator
 
-    panels = ["local", "global"] + (["ood"] if any(run.ood_average is not None for run in runs) else [])
+    panels = ["local", "global"] + (["ood"] if any(run.ood for run in runs) else [])
     figure = _figure(ROUNDS_SIZE)
     # Shared x axis: the OOD markers sit at the last round of the same scale as the curves.
     axes = dict(zip(panels, figure.subplots(1, len(panels), squeeze=False, sharex=True)[0], strict=True))
@@ -79,12 +79,21 @@ def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
             axes[panel].plot(
                 x, y, style, marker=marker, markersize=4, color=_color(index), label=f"{run.label}, {model}"
             )
-        if run.ood_average is not None:
-            axes["ood"].plot(
-                [run.rounds], [run.ood_average], "*", markersize=12, color=_color(index), label=f"{run.label}, OOD"
-            )
+        for marker, (name, accuracies) in zip("*PXD^v", sorted(run.ood.items()), strict=False):
+            for model, fill in (("personalized", _color(index)), ("global", "none")):
+                axes["ood"].plot(
+                    [run.rounds],
+                    [accuracies[model]],
+                    marker,
+                    markersize=11,
+                    color=_color(index),
+                    markerfacecolor=fill,
+                    label=f"{run.label}, {name}, {model if model == 'personalized' else 'global model'}",
+                )
+    last_round = max((run.rounds for run in runs), default=1)
     for panel, axis in axes.items():
         axis.set_title(PANEL_TITLES[panel], fontsize=10)
+        axis.set_xlim(0.5, last_round + 0.5)  # the whole training, even when only the final evaluation exists
         axis.set_xlabel("round")
         axis.set_ylabel("accuracy %")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -96,7 +105,10 @@ def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
             entries.setdefault(label, handle)
     if entries:
         figure.legend(entries.values(), entries.keys(), loc="outside right upper", fontsize=8)
-    figure.suptitle("accuracy per round (personalized adapters solid, global model dashed)", fontsize=11)
+    title = "accuracy per round (personalized models solid, global model dashed)"
+    if all(len(points) <= 1 for run in runs for points in run.curves.values()):
+        title += ": only the final evaluation (train with --eval-every N for curves)"
+    figure.suptitle(title, fontsize=11)
     _save(figure, path)
     return path
 
