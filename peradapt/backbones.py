@@ -163,9 +163,18 @@ def load_backbone(
             name, in_chans, image_size, tuple(config["mean"]), tuple(config["std"]), f"timm cache ({name})"
         )
         return freeze(model), info
-    raise WeightsError(
-        f"no pretrained weights for {name} on {data}: run `peradapt pretrain --data {data} --backbone {name}` "
-        f"(writes {stored}) or pass --weights FILE.safetensors"
+    raise WeightsError(f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored)}")
+
+
+def _how_to_get_weights(name: str, data: str, stored: Path) -> str:
+    from peradapt.data import has_pretraining_split  # deferred: the data package imports this module
+
+    if has_pretraining_split(data):
+        return f"run `peradapt pretrain --data {data} --backbone {name}` (writes {stored}) or pass --weights FILE"
+    return (
+        f"{data} has no split for `peradapt pretrain`, so pass --weights FILE.safetensors (e.g. ImageNet weights "
+        f"for {name} saved with safetensors) or use a timm --backbone whose ImageNet weights are in the local "
+        "timm/Hugging Face cache (e.g. resnet18)"
     )
 
 

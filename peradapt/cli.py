@@ -72,7 +72,9 @@ def pretrain(
 
 @app.command()
 def train(
-    data: Annotated[str | None, Opt(help=f"Dataset: fmnist, cifar10, cifar100. {_default('data')}")] = None,
+    data: Annotated[
+        str | None, Opt(help=f"Dataset: fmnist, cifar10, cifar100, office-home, chexpert. {_default('data')}")
+    ] = None,
     clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
     method: Annotated[str | None, Opt(help=f"{' | '.join(METHODS)}. {_default('method')}")] = None,
     backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
@@ -88,7 +90,13 @@ def train(
     personal_part: Annotated[
         str | None, Opt(help="Partial-model methods: bn, head, input, output or adapter \\[default: the method's]")
     ] = None,
-    partition: Annotated[str | None, Opt(help=f"dir:ALPHA, iid or classes:K. {_default('partition')}")] = None,
+    partition: Annotated[
+        str | None,
+        Opt(
+            help="dir:ALPHA, iid, classes:K (over meta-categories for chexpert) or domain (office-home, --clients 4: "
+            f"client i gets domain i). {_default('partition')}"
+        ),
+    ] = None,
     rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,
     clients_per_round: Annotated[
         int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")
@@ -127,7 +135,11 @@ def train(
     kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,
     kd_batch_size: Annotated[int | None, Opt(help=f"Distillation batch size. {_default('kd_batch_size')}")] = None,
     kd_data: Annotated[
-        str | None, Opt(help="Unlabeled distillation data: auto (dataset's own split), digits, cifar10, cifar100.")
+        str | None,
+        Opt(
+            help="Unlabeled distillation data: auto (the dataset's own split, or the paper's choice: cifar100 for "
+            "cifar10, cifar10 for the others), digits, fmnist, cifar10, cifar100."
+        ),
     ] = None,
     kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
     eval_every: Annotated[
@@ -138,6 +150,14 @@ def train(
         Opt(help=f"Keep the last K clients out of training, for `peradapt personalize`. {_default('holdout_clients')}"),
     ] = None,
     limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
+    image_size: Annotated[
+        int | None,
+        Opt(
+            help="Resize images to PX x PX \\[default: native size; 224 for office-home and chexpert, decoded "
+            "once and cached in $PERADAPT_HOME/cache].",
+            metavar="PX",
+        ),
+    ] = None,
     seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
@@ -164,7 +184,7 @@ def train(
     from peradapt.evaluation import results_table
 
     title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
-    out_console.print(results_table(report["summary"], title))
+    out_console.print(results_table(report["summary"], title, report["metric"]))
     out_console.print(f"run directory: {train_config.out}")
 
 
@@ -226,7 +246,7 @@ def evaluate(
     if ood_limit is not None:
         raise ConfigError("--ood-limit needs --ood NAME")
     evaluation = evaluate_run(run)
-    out_console.print(results_table(summarize(evaluation), f"evaluation of {run}"))
+    out_console.print(results_table(summarize(evaluation), f"evaluation of {run}", evaluation["metric"]))
     out_console.print(f"written to {run / 'eval.json'}")
 
 
@@ -284,8 +304,9 @@ def info(run: RunDir) -> None:
     partition = read_partition(run)
     out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
     table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
-    for column in ("client", "train", "test", "train label histogram"):
-        table.add_column(column, justify="right" if column != "train label histogram" else "left")
+    histogram_column = f"train histogram of {partition.get('histograms_of', 'classes')}"
+    for column in ("client", "train", "test", histogram_column):
+        table.add_column(column, justify="right" if column != histogram_column else "left")
     for client in partition["clients"]:
         histogram = " ".join(str(n) for n in client["train_histogram"])
         table.add_row(str(client["id"]), str(len(client["train"])), str(len(client["test"])), histogram)

@@ -18,12 +18,13 @@ from rich.table import Table
 
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
+from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.federation.engine import resume_config, train
 from peradapt.federation.session import RunPaths, read_run_config
 from peradapt.personalize import method_class
 
-ACCURACIES = (
+ACCURACIES = (  # of the task's metric: accuracy, or AUC for multi-label data
     ("personalized_local_test", "local-test"),
     ("personalized_global_test", "global-test"),
     ("global_global_test", "global-test of w"),
@@ -82,7 +83,12 @@ def _comparable(config: TrainConfig) -> dict:
 
 
 def _row(method: str, resolved: dict, reports: list[dict]) -> dict:
-    row = {"method": method, "scope": resolved.get("scope", "adapter"), **resolved.get("parameter_counts", {})}
+    row = {
+        "method": method,
+        "scope": resolved.get("scope", "adapter"),
+        "metric": reports[0].get("metric", "accuracy"),  # reports from before multi-label data lack it
+        **resolved.get("parameter_counts", {}),
+    }
     for key, _ in ACCURACIES:
         values = [100 * report["summary"][key] for report in reports if key in report["summary"]]
         row[key] = {"mean": float(np.mean(values)), "std": float(np.std(values)), "seeds": values}
@@ -95,16 +101,21 @@ def _count(value: int) -> str:
 
 def _cells(row: dict) -> list[str]:
     counts = [_count(row[name]) if name in row else "-" for name in COUNTS]
-    accuracies = [f"{row[key]['mean']:.2f} ± {row[key]['std']:.2f}" for key, _ in ACCURACIES]
-    return [row["method"], row["scope"], *counts, *accuracies]
+    scores = [f"{row[key]['mean']:.2f} ± {row[key]['std']:.2f}" for key, _ in ACCURACIES]
+    return [row["method"], row["scope"], *counts, *scores]
 
 
 def _headers() -> list[str]:
     return ["method", "scope", "# personal", "# trained", "# sent", *(label for _, label in ACCURACIES)]
 
 
+def _metric_label(rows: list[dict]) -> str:
+    # One comparison is one dataset, so every row has the same metric.
+    return METRIC_LABELS[rows[0]["metric"]] if rows else METRIC_LABELS["accuracy"]
+
+
 def rich_table(rows: list[dict], num_seeds: int) -> Table:
-    table = Table(title=f"personalized models, accuracy % (mean ± std over {num_seeds} seeds)")
+    table = Table(title=f"personalized models, {_metric_label(rows)} % (mean ± std over {num_seeds} seeds)")
     for index, header in enumerate(_headers()):
         table.add_column(header, justify="left" if index < 2 else "right")
     for row in rows:
@@ -114,7 +125,7 @@ def rich_table(rows: list[dict], num_seeds: int) -> Table:
 
 def markdown_table(rows: list[dict], num_seeds: int) -> str:
     lines = [
-        f"Accuracy % of the personalized models (mean ± std over {num_seeds} seeds); parameters per client.",
+        f"Personalized models, {_metric_label(rows)} % (mean ± std over {num_seeds} seeds); parameters per client.",
         "",
         "| " + " | ".join(_headers()) + " |",
         "|" + "---|" * len(_headers()),

@@ -22,6 +22,7 @@ class DataConfig:
     partition: str = "dir:0.1"
     kd_data: str = "auto"
     limit_samples: int | None = None
+    image_size: int | None = None  # None: native size, or 224 px for datasets decoded from image files
     download: bool = False
 
 
@@ -180,6 +181,8 @@ class TrainConfig:
             raise ConfigError("--adapter-dropout must be in [0, 1)")
         if self.data.limit_samples is not None and self.data.limit_samples < 1:
             raise ConfigError("--limit-samples must be at least 1")
+        if self.data.image_size is not None and self.data.image_size < 1:
+            raise ConfigError("--image-size must be at least 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
 

@@ -43,11 +43,11 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
         )
     global_state = session.model.load_pretrained(paths.global_adapter)
     trainer, config = session.trainer, session.config
-    before = trainer.accuracy(global_state, client.test)
+    before = trainer.score(global_state, client.test)
     personal = session.method.personalize_new_client(
         client, global_state, derive_seed(config.seed, client.client_id, NEW_CLIENT)
     )
-    after = trainer.accuracy(personal, client.test)
+    after = trainer.score(personal, client.test)
     out = paths.root / NEW_CLIENTS_DIR / name
     session.model.save_pretrained(out, personal)
     result = {

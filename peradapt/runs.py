@@ -78,8 +78,8 @@ def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed
     parts = load_ood(name, image_target(session), limit=limit, seed=seed, cache_dir=peradapt_home() / "ood")
     clients = sorted(personal)
     # Model by model, so each adapter is loaded once for all the parts.
-    personal_acc = {c: [session.trainer.accuracy(personal[c], part.images) for part in parts] for c in clients}
-    global_acc = [session.trainer.accuracy(global_state, part.images) for part in parts]
+    personal_acc = {c: [session.trainer.score(personal[c], part.images) for part in parts] for c in clients}
+    global_acc = [session.trainer.score(global_state, part.images) for part in parts]
 
     def entry(columns: list[int], **fields: object) -> dict:
         per_client = [float(np.mean([personal_acc[c][i] for i in columns])) for c in clients]

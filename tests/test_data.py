@@ -52,9 +52,10 @@ def skewed_labels(num_samples: int = 3000, num_classes: int = 10, seed: int = 0)
         ("DIR:10", PartitionSpec("dir", 10.0)),
         ("iid", PartitionSpec("iid")),
         ("classes:2", PartitionSpec("classes", 2)),
+        ("domain", PartitionSpec("domain")),
     ],
 )
-def test_parse_partition_accepts_the_three_kinds(text: str, expected: PartitionSpec) -> None:
+def test_parse_partition_accepts_the_four_kinds(text: str, expected: PartitionSpec) -> None:
     spec = parse_partition(text)
     assert spec == expected
     assert parse_partition(str(spec)) == spec
@@ -65,7 +66,7 @@ def test_parse_partition_accepts_the_three_kinds(text: str, expected: PartitionS
     ["xyz", "dir", "dir:", "dir:0", "dir:-1", "dir:nan", "dir:inf", "classes:0", "classes:1.5", "iid:3"],
 )
 def test_parse_partition_rejects_bad_specs(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"use dir:ALPHA \(e\.g\. dir:0\.1\), iid or classes:K") as caught:
+    with pytest.raises(ConfigError, match=r"use dir:ALPHA \(e\.g\. dir:0\.1\), iid, classes:K or domain") as caught:
         parse_partition(text)
     assert f"bad --partition {text!r}" in str(caught.value)
 
@@ -248,9 +249,9 @@ def test_missing_fmnist_says_where_it_looked_and_how_to_get_it(tmp_path: Path) -
 
 
 def test_unknown_source_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="fmnist, cifar10, cifar100, digits"):
+    with pytest.raises(ConfigError, match="fmnist, cifar10, cifar100, digits, office-home, chexpert"):
         load_source("mnist", None)
-    assert SOURCE_NAMES == ("fmnist", "cifar10", "cifar100", "digits")
+    assert SOURCE_NAMES == ("fmnist", "cifar10", "cifar100", "digits", "office-home", "chexpert")
 
 
 # ---------------------------------------------------------------- CIFAR on-disk layout

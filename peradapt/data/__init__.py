@@ -8,9 +8,10 @@ from peradapt.data.federation import (
     FixedSplits,
     build_federation,
     fixed_splits,
+    has_pretraining_split,
     pretraining_split,
 )
-from peradapt.data.images import ImageSet, resize_images
+from peradapt.data.images import Grouping, ImageSet, SourceData, resize_images
 from peradapt.data.partition import (
     PartitionSpec,
     label_histograms,
@@ -18,7 +19,7 @@ from peradapt.data.partition import (
     partition_labels,
     split_test_like_train,
 )
-from peradapt.data.sources import SOURCE_NAMES, SourceData, load_source, read_idx
+from peradapt.data.sources import SOURCE_NAMES, load_source, read_idx
 
 __all__ = [
     "SOURCE_NAMES",
@@ -26,11 +27,13 @@ __all__ = [
     "ClientData",
     "FederatedData",
     "FixedSplits",
+    "Grouping",
     "ImageSet",
     "PartitionSpec",
     "SourceData",
     "build_federation",
     "fixed_splits",
+    "has_pretraining_split",
     "iterate_minibatches",
     "label_histograms",
     "load_source",

@@ -9,25 +9,38 @@ from typing import Any
 
 import numpy as np
 
-from peradapt.data.images import ImageSet, resize_images
-from peradapt.data.partition import label_histograms, parse_partition, partition_labels, split_test_like_train
-from peradapt.data.sources import SOURCE_NAMES, SourceData, load_source
+from peradapt.data.images import ImageSet, SourceData, resize_images
+from peradapt.data.officehome import DOMAINS as OFFICE_HOME_DOMAINS
+from peradapt.data.partition import (
+    PartitionSpec,
+    label_histograms,
+    parse_partition,
+    partition_labels,
+    split_test_like_train,
+)
+from peradapt.data.sources import SOURCE_NAMES, load_source
 from peradapt.errors import ConfigError, DataError
 
 # Fixed, and independent of --seed: `pretrain` and every `train --seed S` must agree on which training
 # images were pretrained on, so that those never reach a client.
 SPLIT_SEED = 20_240_611
 
-# Shares of a source's training images set aside before the client pool (which gets the rest).
+# Shares of a source's training images set aside before the client pool (which gets the rest); a "test" share
+# carves the test images of a source without a test set of its own.
 # Fashion-MNIST: 20k pretrain / 5k server validation / 10k unlabeled KD / 25k pool of its 60k;
-# CIFAR: the paper's 9:1 pool/validation split.
+# CIFAR: the paper's 9:1 pool/validation split. Office-Home and CheXpert: the proportions of PerAda's Table 6
+# (test 1656 and validation 1391 of 15,588; validation 22,342 and test 20,099 of 223,414).
 _SPLIT_SHARES: dict[str, dict[str, Fraction]] = {
     "fmnist": {"pretrain": Fraction(1, 3), "val": Fraction(1, 12), "kd": Fraction(1, 6)},
     "cifar10": {"val": Fraction(1, 10)},
     "cifar100": {"val": Fraction(1, 10)},
+    "office-home": {"val": Fraction(9, 100), "test": Fraction(1, 10)},
+    "chexpert": {"val": Fraction(1, 10), "test": Fraction(9, 100)},
 }
-# The paper distills CIFAR-10 models on CIFAR-100 and the other way round.
-_AUTO_KD_SOURCE = {"cifar10": "cifar100", "cifar100": "cifar10"}
+# The paper distills CIFAR-10 models on CIFAR-100, and the others (CIFAR-100, Office-Home, CheXpert) on CIFAR-10.
+_AUTO_KD_SOURCE = {"cifar10": "cifar100", "cifar100": "cifar10", "office-home": "cifar10", "chexpert": "cifar10"}
+# What --partition domain gives out, one domain per client; known before loading, to check --clients early.
+_DOMAINS = {"office-home": OFFICE_HOME_DOMAINS}
 # Independent random streams under SPLIT_SEED, one per thing they choose.
 _TRAIN_STREAM, _TEST_STREAM, _KD_STREAM = 0, 1, 2
 
@@ -57,8 +70,21 @@ class FederatedData:
 
 
 @dataclass(frozen=True)
+class _PartitionGroups:
+    """What the partition divides and partition.json counts, per pool and per test image: class labels, or for
+    multi-label data meta-categories, or domains (``--partition domain``)."""
+
+    kind: str
+    pool: np.ndarray
+    test: np.ndarray
+    count: int
+    names: tuple[str, ...] = ()  # none for classes
+
+
+@dataclass(frozen=True)
 class FixedSplits:
-    """Disjoint indices into a source's training set (pretrain, val, kd, pool) and into its test set."""
+    """Disjoint indices into a source's training set (pretrain, val, kd, pool) and into its test set (into the
+    training set too, disjoint from the rest, for a source whose test images are carved from it)."""
 
     pretrain: np.ndarray
     val: np.ndarray
@@ -70,18 +96,25 @@ class FixedSplits:
 def fixed_splits(dataset: str, num_train: int, num_test: int, *, limit_samples: int | None) -> FixedSplits:
     """The split of ``dataset`` under SPLIT_SEED; ``limit_samples`` cuts every part to a random subset."""
     shares = _split_shares(dataset)
+    carved = "test" in shares
     order = np.random.default_rng([SPLIT_SEED, _TRAIN_STREAM]).permutation(num_train)
     parts: dict[str, np.ndarray] = {}
     start = 0
-    for name in ("pretrain", "val", "kd"):
+    for name in ("pretrain", "val", "kd", "test") if carved else ("pretrain", "val", "kd"):
         size = int(shares.get(name, 0) * num_train)
         parts[name] = order[start : start + size]
         start += size
     parts["pool"] = order[start:]
-    parts["test"] = np.random.default_rng([SPLIT_SEED, _TEST_STREAM]).permutation(num_test)
+    if not carved:
+        parts["test"] = np.random.default_rng([SPLIT_SEED, _TEST_STREAM]).permutation(num_test)
     # Each part is in random order, so its head is a random subset; one limit cannot move an image
     # from one part into another.
     return FixedSplits(**{name: _head_sorted(indices, limit_samples) for name, indices in parts.items()})
+
+
+def has_pretraining_split(dataset: str) -> bool:
+    """Whether ``peradapt pretrain`` can make a backbone from ``dataset`` (a split the clients never see)."""
+    return "pretrain" in _split_shares(dataset)
 
 
 def pretraining_split(
@@ -89,7 +122,7 @@ def pretraining_split(
 ) -> tuple[ImageSet, SourceData]:
     """The labeled images reserved for ``peradapt pretrain`` (never given to clients), and their source."""
     _check_limit(limit_samples)
-    if "pretrain" not in _split_shares(dataset):
+    if not has_pretraining_split(dataset):
         raise DataError(f"{dataset} has no pretraining split: pass --weights FILE (e.g. ImageNet weights) to train")
     source = load_source(dataset, data_dir, download)
     splits = _source_splits(source, limit_samples)
@@ -105,32 +138,37 @@ def build_federation(
     seed: int,
     kd_data: str = "auto",
     limit_samples: int | None = None,
+    image_size: int | None = None,
     download: bool = False,
     saved_partition: dict[str, Any] | None = None,
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
-    ``saved_partition`` (a previous ``FederatedData.partition``) is reused instead of partitioning anew.
+    ``image_size`` resizes every image (default: see ``load_source``). ``saved_partition`` (a previous
+    ``FederatedData.partition``) is reused instead of partitioning anew.
     """
     spec = parse_partition(partition)
     _check_limit(limit_samples)
     if num_clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {num_clients}")
     kd_source = _kd_source_name(dataset, kd_data)
-    source = load_source(dataset, data_dir, download)
+    if spec.kind == "domain":
+        _check_domain_clients(dataset, num_clients)
+    source = load_source(dataset, data_dir, download, image_size)
     splits = _source_splits(source, limit_samples)
     pool = source.train.subset(splits.pool)
-    test = source.test.subset(splits.test)
+    test = (source.train if source.test is None else source.test).subset(splits.test)
     if len(pool) < num_clients:
         raise DataError(
             f"{num_clients} clients need at least {num_clients} samples; the pool has {len(pool)} "
             "(raise --limit-samples or lower --clients)"
         )
-    pool_labels, test_labels = pool.labels.numpy(), test.labels.numpy()
+    groups = _partition_groups(source, spec, splits, pool, test)
+    pool_labels, test_labels = groups.pool, groups.test
     if saved_partition is None:
         rng = np.random.default_rng(seed)
         train_parts = partition_labels(pool_labels, num_clients, spec, rng)
-        test_parts = split_test_like_train(test_labels, train_parts, pool_labels, pool.num_classes, rng)
+        test_parts = split_test_like_train(test_labels, train_parts, pool_labels, groups.count, rng)
         spec_text, partition_seed = str(spec), seed
     else:
         # --resume: the saved record wins over the flags, so the clients keep their data.
@@ -147,7 +185,9 @@ def build_federation(
         "num_clients": num_clients,
         "pool_size": len(pool),
         "test_size": len(test),
-        "clients": [_client_record(client, pool_labels, test_labels, pool.num_classes) for client in clients],
+        "histograms_of": groups.kind,
+        **({"groups": list(groups.names)} if groups.names else {}),
+        "clients": [_client_record(client, pool_labels, test_labels, groups.count) for client in clients],
     }
     return FederatedData(
         dataset=dataset,
@@ -162,6 +202,31 @@ def build_federation(
         global_test=test.subset(np.sort(np.concatenate(test_parts))),
         partition=record,
     )
+
+
+def _check_domain_clients(dataset: str, num_clients: int) -> None:
+    domains = _DOMAINS.get(dataset)
+    if domains is None:
+        raise ConfigError(
+            f"--partition domain needs a dataset made of domains ({', '.join(_DOMAINS)}); {dataset} has none: "
+            "use dir:ALPHA, iid or classes:K"
+        )
+    if num_clients != len(domains):
+        raise ConfigError(
+            f"--partition domain gives each of the {len(domains)} domains of {dataset} ({', '.join(domains)}) "
+            f"to its own client: use --clients {len(domains)}, not {num_clients}"
+        )
+
+
+def _partition_groups(
+    source: SourceData, spec: PartitionSpec, splits: FixedSplits, pool: ImageSet, test: ImageSet
+) -> _PartitionGroups:
+    grouping = source.domains if spec.kind == "domain" else source.categories
+    if grouping is None:
+        return _PartitionGroups("classes", pool.labels.numpy(), test.labels.numpy(), pool.num_classes)
+    # Sources with groups carve their test images from the training images, which the group ids cover.
+    pool_ids, test_ids = grouping.ids[splits.pool], grouping.ids[splits.test]
+    return _PartitionGroups(grouping.kind, pool_ids, test_ids, len(grouping.names), grouping.names)
 
 
 def _split_shares(dataset: str) -> dict[str, Fraction]:
@@ -211,7 +276,10 @@ def _kd_images(
     if kd_source == source.name:
         images = source.train.images[splits.kd]
     else:
-        other = load_source(kd_source, data_dir, download).train
+        try:
+            other = load_source(kd_source, data_dir, download).train
+        except DataError as err:  # the default distillation data of some datasets is another dataset
+            raise DataError(f"--kd-data {kd_source}: {err}; or distill on other data, e.g. --kd-data digits") from err
         order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(other))
         images = other.images[_head_sorted(order, limit_samples)]
     channels, image_size = source.train.images.shape[1], source.train.images.shape[-1]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from peradapt.errors import ConfigError
 
+# Normalization of the datasets decoded from photographs and radiographs: the statistics of ImageNet, which the
+# paper's backbones were pretrained on (grayscale: their mean, as for grayscale data on an RGB backbone).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 # ITU-R 601-2 luma weights, the same that PIL's convert("L") uses.
 _LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 # Resizing converts to float; chunking bounds that temporary copy for large sets such as CIFAR-100.
@@ -18,7 +23,8 @@ _RESIZE_CHUNK = 4096
 
 @dataclass(frozen=True)
 class ImageSet:
-    """Images as uint8 ``[N, C, H, W]`` with int64 labels ``[N]`` (``None`` for unlabeled data)."""
+    """Images as uint8 ``[N, C, H, W]`` with labels: int64 ``[N]`` class indices, float32 ``[N, L]`` multi-hot
+    labels of a multi-label task (``num_classes`` = L), or ``None`` for unlabeled data."""
 
     images: torch.Tensor
     labels: torch.Tensor | None
@@ -27,18 +33,68 @@ class ImageSet:
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.dim() != 4:
             raise ValueError(f"images must be uint8 [N, C, H, W], got {self.images.dtype} {list(self.images.shape)}")
-        if self.labels is not None and (self.labels.dtype != torch.int64 or self.labels.shape != (len(self.images),)):
+        if self.labels is None:
+            return
+        count = len(self.images)
+        single = self.labels.dtype == torch.int64 and self.labels.shape == (count,)
+        multi = self.labels.dtype == torch.float32 and self.labels.shape == (count, self.num_classes)
+        if not (single or multi):
             raise ValueError(
-                f"labels must be int64 [{len(self.images)}], got {self.labels.dtype} {list(self.labels.shape)}"
+                f"labels must be int64 [{count}] or float32 [{count}, {self.num_classes}], "
+                f"got {self.labels.dtype} {list(self.labels.shape)}"
             )
+        if multi and not torch.all((self.labels == 0) | (self.labels == 1)):
+            raise ValueError("multi-hot labels must be 0 or 1")
 
     def __len__(self) -> int:
         return len(self.images)
+
+    @property
+    def multilabel(self) -> bool:
+        """Whether the labels are multi-hot (each image may carry several of the ``num_classes`` labels)."""
+        return self.labels is not None and self.labels.dim() == 2
 
     def subset(self, indices: torch.Tensor | Sequence[int]) -> ImageSet:
         index = torch.as_tensor(indices, dtype=torch.int64)
         labels = None if self.labels is None else self.labels[index]
         return ImageSet(images=self.images[index], labels=labels, num_classes=self.num_classes)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """A group id for every training image of a source, which partitions divide by and partition.json counts:
+    CheXpert's meta-categories (label combinations) or Office-Home's domains."""
+
+    kind: str  # what a group is, as partition.json names it: "meta-categories" or "domains"
+    ids: np.ndarray  # int64, one per training image
+    names: tuple[str, ...]  # one per group id
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """One dataset as loaded from disk: its training and test images and normalization statistics.
+
+    Sources without a test set of their own (``test`` is ``None``) get one carved from ``train`` by the fixed
+    split. ``categories`` replaces the labels where partitions need one label per image (multi-label data);
+    ``domains`` is what ``--partition domain`` gives out, one domain per client.
+    """
+
+    name: str
+    train: ImageSet
+    test: ImageSet | None
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    categories: Grouping | None = None
+    domains: Grouping | None = None
+
+    def resized(self, size: int) -> SourceData:
+        """The same source with every image resized to ``size``×``size`` (channels kept)."""
+
+        def resize(data: ImageSet) -> ImageSet:
+            images = resize_images(data.images, size, data.images.shape[1])
+            return ImageSet(images=images, labels=data.labels, num_classes=data.num_classes)
+
+        return replace(self, train=resize(self.train), test=None if self.test is None else resize(self.test))
 
 
 def resize_images(images: torch.Tensor, size: int, channels: int) -> torch.Tensor:

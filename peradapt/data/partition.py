@@ -17,29 +17,31 @@ _MAX_DIRICHLET_TRIES = 1000
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """A parsed ``--partition``: ``dir`` (``value`` = alpha), ``iid``, or ``classes`` (``value`` = K)."""
+    """A parsed ``--partition``: ``dir`` (``value`` = alpha), ``iid``, ``classes`` (``value`` = K) or ``domain``."""
 
-    kind: Literal["dir", "iid", "classes"]
+    kind: Literal["dir", "iid", "classes", "domain"]
     value: float | int | None = None
 
     def __str__(self) -> str:
-        return "iid" if self.kind == "iid" else f"{self.kind}:{self.value}"
+        return self.kind if self.value is None else f"{self.kind}:{self.value}"
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse ``dir:ALPHA`` (ALPHA > 0), ``iid`` or ``classes:K`` (K >= 1)."""
+    """Parse ``dir:ALPHA`` (ALPHA > 0), ``iid``, ``classes:K`` (K >= 1) or ``domain``."""
     text = spec.strip().lower()
     kind, _, value = text.partition(":")
     try:
         if text == "iid":
             return PartitionSpec("iid")
+        if text == "domain":
+            return PartitionSpec("domain")
         if kind == "dir" and math.isfinite(alpha := float(value)) and alpha > 0:
             return PartitionSpec("dir", alpha)
         if kind == "classes" and (classes := int(value)) >= 1:
             return PartitionSpec("classes", classes)
     except ValueError:
         pass
-    raise ConfigError(f"bad --partition {spec!r}: use dir:ALPHA (e.g. dir:0.1), iid or classes:K")
+    raise ConfigError(f"bad --partition {spec!r}: use dir:ALPHA (e.g. dir:0.1), iid, classes:K or domain")
 
 
 def partition_labels(
@@ -51,7 +53,9 @@ def partition_labels(
 ) -> list[np.ndarray]:
     """Divide sample indices among clients; every index goes to exactly one client, each list sorted.
 
-    ``min_samples`` is the Dirichlet floor per client, lowered to what the pool can give every client.
+    ``labels`` are what the partition divides by: classes, meta-categories, or for ``domain`` the domain index
+    (client i gets domain i). ``min_samples`` is the Dirichlet floor per client, lowered to what the pool can
+    give every client.
     """
     labels = np.asarray(labels)
     if num_clients < 1:
@@ -62,6 +66,8 @@ def partition_labels(
         )
     if spec.kind == "iid":
         parts = np.array_split(rng.permutation(len(labels)), num_clients)
+    elif spec.kind == "domain":
+        parts = [np.flatnonzero(labels == client) for client in range(num_clients)]
     elif spec.kind == "dir":
         floor = min(min_samples, len(labels) // num_clients)
         parts = _dirichlet_parts(labels, num_clients, float(spec.value), floor, rng)

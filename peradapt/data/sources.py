@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from peradapt.data.images import ImageSet
+from peradapt.data.chexpert import load_chexpert
+from peradapt.data.images import ImageSet, SourceData
+from peradapt.data.officehome import load_office_home
 from peradapt.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -30,25 +32,28 @@ _FMNIST_FILES = {
     "test_labels": "t10k-labels-idx1-ubyte",
 }
 _IDX_UBYTE = 0x08
+# Datasets decoded from image files come at this size unless --image-size says otherwise: the 224 px that
+# ImageNet-pretrained ResNets (the paper's backbones) were trained at.
+DECODED_IMAGE_SIZE = 224
 
 
-@dataclass(frozen=True)
-class SourceData:
-    """One dataset as loaded from disk: its training and test images and normalization statistics."""
+def load_source(
+    name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None
+) -> SourceData:
+    """Load the source called ``name`` (one of ``SOURCE_NAMES``), its images resized to ``image_size`` if given.
 
-    name: str
-    train: ImageSet
-    test: ImageSet | None
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-def load_source(name: str, data_dir: Path | str | None, download: bool = False) -> SourceData:
-    """Load the source called ``name`` (one of ``SOURCE_NAMES``)."""
+    Without ``image_size``, datasets that ship as arrays keep their native size and image files are decoded at
+    DECODED_IMAGE_SIZE.
+    """
+    path = None if data_dir is None else Path(data_dir)
+    decoder = _DECODED.get(name)
+    if decoder is not None:
+        return decoder(path, image_size or DECODED_IMAGE_SIZE)
     loader = _LOADERS.get(name)
     if loader is None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
-    return loader(None if data_dir is None else Path(data_dir), download)
+    source = loader(path, download)
+    return source if image_size is None else source.resized(image_size)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -224,4 +229,9 @@ _LOADERS: dict[str, Callable[[Path | None, bool], SourceData]] = {
     "cifar100": functools.partial(_load_cifar, "cifar100"),
     "digits": _load_digits,
 }
-SOURCE_NAMES: tuple[str, ...] = tuple(_LOADERS)
+# Decoded from image files at a given size; no download: their loaders say where to get them.
+_DECODED: dict[str, Callable[[Path | None, int], SourceData]] = {
+    "office-home": load_office_home,
+    "chexpert": load_chexpert,
+}
+SOURCE_NAMES: tuple[str, ...] = (*_LOADERS, *_DECODED)

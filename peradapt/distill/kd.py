@@ -3,12 +3,14 @@
 The teachers are the clients' uploaded local adapters. Their logits on the unlabeled distillation data do not
 change while the student trains, so they are computed once per round and averaged; each of the R Adam steps
 then runs only the student. The loss is KL(softmax(mean teacher logits / T) || softmax(student logits / T)),
-scaled by T^2 (T = 1 in the paper). The learning rate follows a cosine schedule over the R steps.
+scaled by T^2 (T = 1 in the paper); for multi-label tasks (CheXpert), where every label is its own yes/no
+question, the KL of the two Bernoulli distributions sigmoid(logit / T) per label. The learning rate follows a
+cosine schedule over the R steps.
 
 The student is trained in inference mode (BatchNorm on its running statistics, no dropout): the distilled
 function is then exactly the one clients receive and evaluate, and out-of-domain distillation images cannot
 overwrite the BatchNorm statistics averaged from the clients. The adapter with the best accuracy on the
-server's labeled validation split (the FedAvg starting point included) is kept.
+server's labeled validation split (the FedAvg starting point included) is kept: best accuracy, or best AUC.
 """
 
 from __future__ import annotations
@@ -47,12 +49,29 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     )
 
 
+def multilabel_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per label, KL(Bernoulli(sigmoid(teacher / T)) || Bernoulli(sigmoid(student / T))) * T^2, averaged over the
+    labels and the batch."""
+    student, teacher = student_logits / temperature, teacher_logits / temperature
+    teacher_yes = torch.sigmoid(teacher)
+    # log sigmoid(x) and log(1 - sigmoid(x)) = log sigmoid(-x), stable for logits of any size.
+    kl = teacher_yes * (F.logsigmoid(teacher) - F.logsigmoid(student)) + (1 - teacher_yes) * (
+        F.logsigmoid(-teacher) - F.logsigmoid(-student)
+    )
+    return kl.mean() * temperature**2
+
+
 @dataclass
 class Distiller:
     trainer: LocalTrainer
     kd_data: ImageSet
     val_data: ImageSet
     config: DistillConfig
+
+    @property
+    def multilabel(self) -> bool:
+        # The unlabeled distillation data cannot tell the task's kind; the labeled validation split can.
+        return self.val_data.multilabel
 
     def distill(
         self,
@@ -67,8 +86,9 @@ class Distiller:
         model = trainer.model
         steps = config.kd_steps
         check_every = config.kd_eval_every or max(1, steps // 10)
-        best_state, best_accuracy = student, trainer.accuracy(student, self.val_data)
-        start_accuracy, best_step, checks_without_gain = best_accuracy, 0, 0
+        loss_of = multilabel_kd_loss if self.multilabel else kd_loss
+        best_state, best_score = student, trainer.score(student, self.val_data)
+        start_score, best_step, checks_without_gain = best_score, 0, 0
         model.load_state(student)
         model.eval()
         parameters = list(model.trainable_parameters().values())
@@ -83,7 +103,7 @@ class Distiller:
             images = trainer.inputs(self.kd_data.images[batch])
             with trainer.inputs.autocast():
                 student_logits = model(images).float()
-            loss = kd_loss(student_logits, teacher_logits[batch.to(teacher_logits.device)], config.kd_temperature)
+            loss = loss_of(student_logits, teacher_logits[batch.to(teacher_logits.device)], config.kd_temperature)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"distillation loss became {loss.item()}: lower --server-lr")
             optimizer.zero_grad(set_to_none=True)
@@ -95,19 +115,19 @@ class Distiller:
                 on_step(step)
             if step % check_every == 0 or step == steps:
                 candidate = model.state()
-                accuracy = trainer.accuracy(candidate, self.val_data)
+                score = trainer.score(candidate, self.val_data)
                 model.load_state(candidate)
                 model.eval()
-                if accuracy > best_accuracy:
-                    best_state, best_accuracy, best_step, checks_without_gain = candidate, accuracy, step, 0
+                if score > best_score:
+                    best_state, best_score, best_step, checks_without_gain = candidate, score, step, 0
                 else:
                     checks_without_gain += 1
                     if config.kd_patience and checks_without_gain >= config.kd_patience:
                         break
         info = {
             "kd_loss": last_loss,
-            "kd_val_before": start_accuracy,
-            "kd_val_after": best_accuracy,
+            "kd_val_before": start_score,
+            "kd_val_after": best_score,
             "kd_best_step": best_step,
         }
         return best_state, info

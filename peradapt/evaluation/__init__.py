@@ -1,6 +1,15 @@
 """Evaluation of personalized and global adapters, and result tables."""
 
-from peradapt.evaluation.metrics import evaluate_adapters, summarize, summary
-from peradapt.evaluation.report import results_table
+from peradapt.evaluation.metrics import evaluate_adapters, mean_auc, metric_name, roc_auc, summarize, summary
+from peradapt.evaluation.report import METRIC_LABELS, results_table
 
-__all__ = ["evaluate_adapters", "results_table", "summarize", "summary"]
+__all__ = [
+    "METRIC_LABELS",
+    "evaluate_adapters",
+    "mean_auc",
+    "metric_name",
+    "results_table",
+    "roc_auc",
+    "summarize",
+    "summary",
+]

@@ -10,18 +10,20 @@ ROWS = (
     ("global", "local_test", "global", "local-test"),
     ("global", "global_test", "global", "global-test"),
 )
+# How tables name a report's "metric".
+METRIC_LABELS = {"accuracy": "accuracy", "auc": "AUC"}
 
 
-def results_table(flat: dict[str, float], title: str) -> Table:
+def results_table(flat: dict[str, float], title: str, metric: str = "accuracy") -> Table:
     table = Table(title=title)
     table.add_column("model")
-    table.add_column("metric")
-    table.add_column("accuracy % (mean ± std over clients)", justify="right")
-    for who, split, label, metric in ROWS:
+    table.add_column("test set")
+    table.add_column(f"{METRIC_LABELS[metric]} % (mean ± std over clients)", justify="right")
+    for who, split, label, test_set in ROWS:
         key = f"{who}_{split}"
         if key not in flat:
             continue
         std = flat.get(f"{key}_std")
         value = f"{100 * flat[key]:.2f}" + (f" ± {100 * std:.2f}" if std is not None else "")
-        table.add_row(label, metric, value)
+        table.add_row(label, test_set, value)
     return table

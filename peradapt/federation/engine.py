@@ -216,6 +216,7 @@ def build_report(session: Session, evaluation: dict) -> dict:
     return {
         "method": config.method.method,
         "data": config.data.data,
+        "metric": evaluation["metric"],
         "rounds": config.federation.rounds,
         "seed": config.seed,
         "clients": evaluation["clients"],

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.data import ImageSet, iterate_minibatches, random_crop_flip, to_model_input
 from peradapt.errors import TrainingDiverged
+from peradapt.evaluation.metrics import mean_auc
 
 
 @dataclass
@@ -62,7 +63,7 @@ class LocalTrainer:
         anchor: AdapterState | None = None,
         lam: float = 0.0,
     ) -> tuple[AdapterState, float]:
-        """`epochs` passes of minibatch SGD on cross-entropy from `start`.
+        """`epochs` passes of minibatch SGD on the loss (see `loss`) from `start`.
 
         With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
         (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss.
@@ -100,9 +101,14 @@ class LocalTrainer:
                 yield images, data.labels[batch].to(self.inputs.device, non_blocking=True)
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float) -> torch.Tensor:
-        """Cross-entropy of the model as it is loaded; stops the run if it is no longer finite."""
+        """Loss of the model as it is loaded: cross-entropy for class indices, binary cross-entropy per label
+        (mean over labels and batch) for multi-hot labels. Stops the run if it is no longer finite."""
         with self.inputs.autocast():
-            loss = F.cross_entropy(self.model(images), labels)
+            logits = self.model(images)
+            if labels.dim() == 2:
+                loss = F.binary_cross_entropy_with_logits(logits, labels)
+            else:
+                loss = F.cross_entropy(logits, labels)
         if not torch.isfinite(loss):
             raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
         return loss
@@ -122,9 +128,18 @@ class LocalTrainer:
         with self.inputs.autocast():
             return self.model(self.inputs(images)).float()
 
-    def accuracy(self, state: AdapterState, data: ImageSet) -> float:
+    def score(self, state: AdapterState, data: ImageSet) -> float:
+        """The task's metric for the model with `state` on `data`: accuracy for class labels, mean ROC-AUC over
+        the labels for multi-hot labels (PerAda Sec. 7: AUC for CheXpert). NaN when it is undefined."""
         assert data.labels is not None
         if len(data) == 0:
             return float("nan")
-        predictions = self.logits(state, data).argmax(dim=1).cpu()
-        return (predictions == data.labels).float().mean().item()
+        logits = self.logits(state, data).cpu()
+        if data.multilabel:
+            return mean_auc(logits, data.labels)
+        return (logits.argmax(dim=1) == data.labels).float().mean().item()
+
+    def accuracy(self, state: AdapterState, data: ImageSet) -> float:
+        """`score` of single-label data. Transitional: tests/test_newclients.py still calls it (remove with it)."""
+        assert not data.multilabel, "multi-label data has no accuracy: use score"
+        return self.score(state, data)

@@ -128,6 +128,7 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
         seed=config.seed,
         kd_data=config.data.kd_data,
         limit_samples=config.data.limit_samples,
+        image_size=config.data.image_size,
         download=config.data.download,
         saved_partition=saved_partition,
     )
