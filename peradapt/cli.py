@@ -227,8 +227,10 @@ def evaluate(
     ood: Annotated[
         str | None,
         Opt(
-            help="Instead: accuracy on an out-of-distribution set: fmnist-c (generated corruptions), "
-            "cifar10-c[:PATH], cifar10.1[:PATH] or imagefolder:PATH (PATH/<class index or name>/<images>)."
+            help="Instead: accuracy on an out-of-distribution set: fmnist-c (corruptions generated from the test "
+            "set), cifar10-c[:PATH] (the published files; generated with imagecorruptions when absent), "
+            "cifar10.1[:PATH] or imagefolder:PATH (PATH/<class index or name>/<images>). Generated sets are cached "
+            "under $PERADAPT_HOME/ood."
         ),
     ] = None,
     ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
@@ -238,9 +240,10 @@ def evaluate(
     from peradapt.runs import evaluate_ood_run, evaluate_run, ood_report_name, ood_table
 
     if ood is not None:
-        result = evaluate_ood_run(run, ood, limit=ood_limit)
+        result = evaluate_ood_run(run, ood, limit=ood_limit, console=err_console)
         console = out_console if out_console.is_terminal else Console(width=120)
         console.print(ood_table(result, f"{ood} on {run}, {len(result['clients'])} clients"))
+        out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return
     if ood_limit is not None:
@@ -289,9 +292,10 @@ def personalize(
     before, after = result["before"]["local_test"], result["after"]["local_test"]
     out_console.print(
         f"new client {result['client']} ({result['method']}): local-test accuracy "
-        f"{100 * before:.2f}% with the global model, {100 * after:.2f}% personalized"
+        f"{100 * before:.2f}% with the global model, {100 * after:.2f}% personalized",
+        soft_wrap=True,
     )
-    out_console.print(f"personalized model written to {result['adapter']}")
+    out_console.print(f"personalized model written to {result['adapter']}", soft_wrap=True)
 
 
 @app.command()

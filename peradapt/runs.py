@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 from rich.table import Table
 
 from peradapt.backbones import BackboneInfo, save_backbone
@@ -15,6 +16,7 @@ from peradapt.errors import RunError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.progress import progress_display
 
 
 def open_run(run_dir: Path) -> Session:
@@ -62,12 +64,14 @@ def image_target(session: Session) -> OodTarget:
     )
 
 
-def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0) -> dict:
+def evaluate_ood_run(
+    run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0, console: Console | None = None
+) -> dict:
     """Accuracy of every exported personalized adapter and of the global adapter on each part of OOD set ``name``.
 
-    Writes ``ood-<name>.json`` (``/`` and ``:`` of a path replaced) in the run directory and returns it: per
-    (corruption, severity), per corruption averaged over severities, and overall, each with the clients'
-    accuracies, their mean and std, and the global adapter's accuracy.
+    Writes ``ood-<name>.json`` (``/`` and ``:`` of a path replaced) in the run directory and returns it: where the
+    images come from, then per (corruption, severity), per corruption averaged over severities, and overall, each
+    with the clients' accuracies, their mean and std, and the global adapter's accuracy.
     """
     from peradapt.backbones import peradapt_home
     from peradapt.data.ood import load_ood
@@ -75,11 +79,27 @@ def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
     personal, global_state = _exported_states(session, paths)
-    parts = load_ood(name, image_target(session), limit=limit, seed=seed, cache_dir=peradapt_home() / "ood")
     clients = sorted(personal)
-    # Model by model, so each adapter is loaded once for all the parts.
-    personal_acc = {c: [session.trainer.score(personal[c], part.images) for part in parts] for c in clients}
-    global_acc = [session.trainer.score(global_state, part.images) for part in parts]
+    with progress_display(console or Console(stderr=True)) as progress:
+        ready = progress.add_task(f"{name}: corruption types ready", total=None)
+        ood_set = load_ood(
+            name,
+            image_target(session),
+            limit=limit,
+            seed=seed,
+            cache_dir=peradapt_home() / "ood",
+            on_generated=lambda total: progress.update(ready, total=total, advance=1),
+        )
+        parts = ood_set.parts
+        evaluated = progress.add_task(f"{name}: models evaluated", total=len(clients) + 1)
+
+        def accuracies(state: dict) -> list[float]:  # model by model: each adapter is loaded once for all parts
+            values = [session.trainer.score(state, part.images) for part in parts]
+            progress.advance(evaluated)
+            return values
+
+        personal_acc = {c: accuracies(personal[c]) for c in clients}
+        global_acc = accuracies(global_state)
 
     def entry(columns: list[int], **fields: object) -> dict:
         per_client = [float(np.mean([personal_acc[c][i] for i in columns])) for c in clients]
@@ -95,6 +115,7 @@ def evaluate_ood_run(run_dir: Path, name: str, *, limit: int | None = None, seed
     corruptions = list(dict.fromkeys(part.corruption for part in parts))
     result = {
         "ood": name,
+        "provenance": ood_set.provenance,
         "limit": limit,
         "seed": seed,
         "clients": clients,

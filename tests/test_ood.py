@@ -10,7 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+from peradapt.data.images import ImageSet
 from peradapt.data.ood import GRAYSCALE_CORRUPTIONS, SEVERITIES, OodTarget, corrupt, load_ood
+from peradapt.data.sources import SourceData
 from peradapt.errors import ConfigError, DataError
 
 from .conftest import striped_images
@@ -58,7 +60,9 @@ def test_reference_formulas_on_known_values():
 
 def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
     target = OodTarget("fmnist", 10, image_size=32, channels=3, data_dir=fmnist_dir)
-    parts = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
+    ood_set = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
+    parts = ood_set.parts
+    assert "Fashion-MNIST" in ood_set.provenance
     assert [(p.corruption, p.severity) for p in parts] == [(c, s) for c in GRAYSCALE_CORRUPTIONS for s in SEVERITIES]
     assert all(p.images.images.shape == (20, 3, 32, 32) and len(p.images.labels) == 20 for p in parts)
     cached = sorted(tmp_path.rglob("*.npz"))
@@ -69,10 +73,10 @@ def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
         images = stored["images"].copy()
     images[:] = 7
     np.savez_compressed(path, images=images)
-    again = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
+    again = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path).parts
     assert all(bool((p.images.images == 7).all()) == (p.corruption == "contrast") for p in again)
     # Another seed is another cache entry with other noise.
-    other = load_ood("fmnist-c", target, limit=20, seed=1, cache_dir=tmp_path)
+    other = load_ood("fmnist-c", target, limit=20, seed=1, cache_dir=tmp_path).parts
     assert not torch.equal(other[0].images.images, parts[0].images.images)
     with pytest.raises(ConfigError, match="cifar10"):
         load_ood("fmnist-c", OodTarget("cifar10", 10, 32, 3, fmnist_dir), cache_dir=None)
@@ -87,16 +91,16 @@ def test_cifar10_c_layout(tmp_path):
     for name in ("fog", "gaussian_noise"):
         np.save(root / f"{name}.npy", rng.integers(0, 256, (len(labels), 32, 32, 3), dtype=np.uint8))
     target = OodTarget("cifar10", 10, image_size=32, channels=3, data_dir=tmp_path / "data")
-    parts = load_ood("cifar10-c", target)
+    parts = load_ood("cifar10-c", target).parts
     assert [p.key for p in parts] == [f"{c}-{s}" for c in ("fog", "gaussian_noise") for s in SEVERITIES]
     stacked = np.load(root / "fog.npy")
     fog3 = next(p for p in parts if p.key == "fog-3")
     np.testing.assert_array_equal(fog3.images.images.permute(0, 2, 3, 1).numpy(), stacked[60:90])
-    limited = load_ood(f"cifar10-c:{root}", OodTarget("cifar10", 10, 16, 1), limit=7)
+    limited = load_ood(f"cifar10-c:{root}", OodTarget("cifar10", 10, 16, 1), limit=7).parts
     assert all(p.images.images.shape == (7, 1, 16, 16) for p in limited)
     # The same test images at every severity.
     assert all(torch.equal(p.images.labels, limited[0].images.labels) for p in limited)
-    with pytest.raises(DataError, match="CIFAR-10-C not found"):
+    with pytest.raises(DataError, match="CIFAR-10-C not found"):  # a named path is never replaced by generation
         load_ood(f"cifar10-c:{tmp_path / 'nowhere'}", target)
 
 
@@ -107,7 +111,7 @@ def test_cifar10_1_layout(tmp_path):
     data = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
     np.save(folder / "cifar10.1_v6_data.npy", data)
     np.save(folder / "cifar10.1_v6_labels.npy", np.arange(12) % 10)
-    [part] = load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path))
+    [part] = load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path)).parts
     assert part.key == "cifar10.1" and part.images.labels.tolist() == [i % 10 for i in range(12)]
     np.testing.assert_array_equal(part.images.images.permute(0, 2, 3, 1).numpy(), data)
     with pytest.raises(DataError, match=r"cifar10\.1_v6_data\.npy"):
@@ -123,7 +127,7 @@ def test_imagefolder_with_numeric_and_named_classes(tmp_path):
         for i in range(2):
             Image.fromarray(np.full((40, 30, 3), value + i, dtype=np.uint8)).save(root / folder / f"{i}.png")
     (root / "Trouser" / "notes.txt").write_text("not an image")
-    [part] = load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, image_size=28, channels=1))
+    [part] = load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, image_size=28, channels=1)).parts
     assert part.images.images.shape == (6, 1, 28, 28)
     assert part.images.labels.tolist() == [0, 0, 1, 1, 9, 9]
     assert part.images.images[2].float().mean().item() == pytest.approx(200, abs=1)
@@ -142,7 +146,7 @@ def test_eval_ood_cli_writes_per_corruption_results(home, fmnist_dir, tmp_path, 
     assert code == 0, err
     code, out, err = run_cli(["eval", "--run", str(run), "--ood", "fmnist-c", "--ood-limit", "50"], capsys, monkeypatch)
     assert code == 0, err
-    assert "gaussian_noise-5" in out and "average" in out and "ood-fmnist-c.json" in out
+    assert "gaussian_noise-5" in out and "average" in out and "ood-fmnist-c.json" in out and "generated here" in out
     result = json.loads((run / "ood-fmnist-c.json").read_text())
     assert result["clients"] == [0, 1, 2, 3] and result["limit"] == 50
     parts = result["parts"]
@@ -161,3 +165,43 @@ def test_eval_ood_cli_writes_per_corruption_results(home, fmnist_dir, tmp_path, 
     assert code == 2 and "--ood-limit needs --ood" in err
     code, _, err = run_cli(["eval", "--run", str(run), "--ood", "cifar10-c"], capsys, monkeypatch)
     assert code == 2 and "fmnist" in err
+
+
+def test_cifar10_c_generated_with_imagecorruptions_when_files_are_absent(tmp_path, monkeypatch):
+    """No CIFAR-10-C files: all 19 corruption types are made from the CIFAR-10 test set, deterministically, cached."""
+    pytest.importorskip("imagecorruptions")  # the `corruptions` extra, part of `test`
+    import peradapt.data.ood as ood
+
+    rng = np.random.default_rng(3)
+    test = ImageSet(
+        torch.from_numpy(rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8)), torch.arange(6) % 10, num_classes=10
+    )
+    loads = []
+
+    def fake_cifar10(name, data_dir, download=False):
+        loads.append((name, data_dir))
+        return SourceData(name, train=test, test=test, mean=(0.5,) * 3, std=(0.25,) * 3)
+
+    monkeypatch.setattr(ood, "load_source", fake_cifar10)
+    target = OodTarget("cifar10", 10, image_size=32, channels=3, data_dir=tmp_path / "data")
+    cache = tmp_path / "cache"
+    generated = load_ood("cifar10-c", target, limit=4, seed=0, cache_dir=cache)
+    assert loads == [("cifar10", tmp_path / "data")] and "imagecorruptions" in generated.provenance
+    corruptions = list(dict.fromkeys(p.corruption for p in generated.parts))
+    assert len(corruptions) == 19 and {"frost", "fog", "glass_blur", "gaussian_blur", "saturate"} <= set(corruptions)
+    assert [p.severity for p in generated.parts[:5]] == list(SEVERITIES)
+    chosen = generated.parts[0].images.labels
+    clean = test.images[[int(i) for i in chosen]]  # labels 0..5 are the image indices here
+    for part in generated.parts:
+        assert part.images.images.shape == (4, 3, 32, 32) and torch.equal(part.images.labels, chosen)
+        assert not torch.equal(part.images.images, clean), part.key  # every corruption changes the images
+    assert len(list(cache.rglob("*.npz"))) == 19
+    # Same seed: the same images, from the cache; a fresh generation (no cache) agrees: deterministic.
+    again = load_ood("cifar10-c", target, limit=4, seed=0, cache_dir=cache).parts
+    fresh = load_ood("cifar10-c", target, limit=4, seed=0, cache_dir=None).parts
+    for first, second, third in zip(generated.parts, again, fresh, strict=True):
+        assert torch.equal(first.images.images, second.images.images)
+        assert torch.equal(first.images.images, third.images.images)
+    noisy = next(i for i, p in enumerate(generated.parts) if p.key == "gaussian_noise-3")
+    other_seed = load_ood("cifar10-c", target, limit=4, seed=1, cache_dir=None).parts[noisy]
+    assert not torch.equal(other_seed.images.images, generated.parts[noisy].images.images)

@@ -68,6 +68,15 @@ class OodPart:
 
 
 @dataclass(frozen=True)
+class OodSet:
+    """An OOD set's parts, and where its images come from (files read, or how they were generated)."""
+
+    name: str
+    provenance: str
+    parts: list[OodPart]
+
+
+@dataclass(frozen=True)
 class OodTarget:
     """What the run's models expect: the dataset they were trained on and its image format."""
 
@@ -216,11 +225,18 @@ def corrupt(images: np.ndarray, corruption: str, severity: int, seed: int) -> np
 
 
 def load_ood(
-    name: str, target: OodTarget, *, limit: int | None = None, seed: int = 0, cache_dir: Path | None = None
-) -> list[OodPart]:
+    name: str,
+    target: OodTarget,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    on_generated: Callable[[int], None] | None = None,
+) -> OodSet:
     """The parts of OOD set ``name`` in ``target``'s image format; ``limit`` keeps that many images per part.
 
-    ``cache_dir`` is where generated sets are kept (``fmnist-c``); ``None`` generates them without caching.
+    ``cache_dir`` is where generated sets are kept (``fmnist-c``, and ``cifar10-c`` without its files); ``None``
+    generates them without caching. ``on_generated(k)`` is called as each of the ``k`` corruptions is ready.
     """
     if limit is not None and limit < 1:
         raise ConfigError(f"--ood-limit must be at least 1, got {limit}")
@@ -230,17 +246,18 @@ def load_ood(
         if path is not None:
             raise ConfigError("fmnist-c is generated from the run's Fashion-MNIST: it takes no path")
         _check_dataset(name, target, "fmnist")
-        return _fmnist_c(target, limit, seed, cache_dir)
+        return _fmnist_c(target, limit, seed, cache_dir, on_generated)
     if kind == "cifar10-c":
         _check_dataset(name, target, "cifar10")
-        return _cifar10_c(target, path, limit, seed)
+        return _cifar10_c(target, path, limit, seed, cache_dir, on_generated)
     if kind == "cifar10.1":
         _check_dataset(name, target, "cifar10")
         return _cifar10_1(target, path, limit, seed)
     if kind == "imagefolder":
         if path is None:
             raise ConfigError("imagefolder needs a directory: --ood imagefolder:PATH")
-        return _imagefolder(target, path, limit, seed)
+        data = load_imagefolder(path, target, limit=limit, seed=seed)
+        return OodSet(name, f"images read from {path}", [OodPart("imagefolder", None, data)])
     raise ConfigError(f"unknown OOD set {name!r}: use one of {', '.join(OOD_NAMES)}")
 
 
@@ -267,29 +284,46 @@ def _in_run_format(images: torch.Tensor, labels: torch.Tensor, target: OodTarget
     )
 
 
-def _fmnist_c(target: OodTarget, limit: int | None, seed: int, cache_dir: Path | None) -> list[OodPart]:
+def _fmnist_c(
+    target: OodTarget,
+    limit: int | None,
+    seed: int,
+    cache_dir: Path | None,
+    on_generated: Callable[[int], None] | None,
+) -> OodSet:
     test = load_source("fmnist", target.data_dir).test
     assert test is not None
     indices = _subset_indices(len(test), limit, seed)
     clean = test.images[indices, 0].numpy()
-    labels = test.labels[indices] if test.labels is not None else torch.empty(0, dtype=torch.int64)
-    # The cache key names the source by its content, so another --data-dir never gets this one's images.
-    digest = hashlib.sha256()
-    digest.update(test.images.numpy().tobytes())
-    digest.update(indices.tobytes())
-    key = f"fmnist-c-v{_CACHE_VERSION}-{digest.hexdigest()[:16]}-seed{seed}"
+    key = _cache_key(f"fmnist-c-v{_CACHE_VERSION}", test.images, indices, seed)
     parts = []
     for corruption in GRAYSCALE_CORRUPTIONS:
         path = None if cache_dir is None else cache_dir / key / f"{corruption}.npz"
-        stacked = _cached_corruptions(path, clean, corruption, seed)
+        stacked = _cached_corruptions(
+            path, clean, lambda severity, corruption=corruption: corrupt(clean, corruption, severity, seed)
+        )
         for severity, images in zip(SEVERITIES, stacked, strict=True):
-            data = _in_run_format(torch.from_numpy(images).unsqueeze(1), labels, target)
+            data = _in_run_format(torch.from_numpy(images).unsqueeze(1), test.labels[indices], target)
             parts.append(OodPart(corruption, severity, data))
-    return parts
+        if on_generated is not None:
+            on_generated(len(GRAYSCALE_CORRUPTIONS))
+    provenance = (
+        f"generated here from {len(indices)} Fashion-MNIST test images: {len(GRAYSCALE_CORRUPTIONS)} grayscale "
+        "corruptions with CIFAR-10-C's formulas and severities (peradapt's own implementation)"
+    )
+    return OodSet("fmnist-c", provenance, parts)
 
 
-def _cached_corruptions(path: Path | None, clean: np.ndarray, corruption: str, seed: int) -> np.ndarray:
-    """uint8 ``[5, N, H, W]``: ``clean`` at every severity of ``corruption``, read from or written to ``path``."""
+def _cache_key(prefix: str, source_images: torch.Tensor, indices: np.ndarray, seed: int) -> str:
+    # The key names the source by its content, so another --data-dir never gets this one's images.
+    digest = hashlib.sha256()
+    digest.update(source_images.numpy().tobytes())
+    digest.update(indices.tobytes())
+    return f"{prefix}-{digest.hexdigest()[:16]}-seed{seed}"
+
+
+def _cached_corruptions(path: Path | None, clean: np.ndarray, generate: Callable[[int], np.ndarray]) -> np.ndarray:
+    """uint8 ``[5, *clean.shape]``: ``generate(severity)`` for every severity, read from or written to ``path``."""
     expected = (len(SEVERITIES), *clean.shape)
     if path is not None and path.is_file():
         try:
@@ -299,7 +333,7 @@ def _cached_corruptions(path: Path | None, clean: np.ndarray, corruption: str, s
                 return images
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache file is regenerated below
-    images = np.stack([corrupt(clean, corruption, severity, seed) for severity in SEVERITIES])
+    images = np.stack([generate(severity) for severity in SEVERITIES])
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -324,15 +358,28 @@ def _load_npy(path: Path, *, mmap: bool = False) -> np.ndarray:
         raise DataError(f"cannot read {path}: {err}; replace it with a good copy") from err
 
 
-def _cifar10_c(target: OodTarget, path: Path | None, limit: int | None, seed: int) -> list[OodPart]:
-    dirs = _search_dirs(path, target, ("CIFAR-10-C",), "cifar10-c")
+def _cifar10_c(
+    target: OodTarget,
+    path: Path | None,
+    limit: int | None,
+    seed: int,
+    cache_dir: Path | None,
+    on_generated: Callable[[int], None] | None,
+) -> OodSet:
+    dirs = [] if path is None and target.data_dir is None else _search_dirs(path, target, ("CIFAR-10-C",), "cifar10-c")
     directory = next((d for d in dirs if (d / "labels.npy").is_file()), None)
-    if directory is None:
+    if directory is not None:
+        return _cifar10_c_files(directory, target, limit, seed)
+    if path is not None:  # the user named the files: generating something else instead would surprise
         raise DataError(
-            "CIFAR-10-C not found: looked for labels.npy and <corruption>.npy in "
-            f"{', '.join(str(d) for d in dirs)}. Download CIFAR-10-C.tar from https://zenodo.org/records/2535967, "
-            "extract it and pass --ood cifar10-c:PATH/CIFAR-10-C (or put CIFAR-10-C/ in the run's --data-dir)"
+            f"CIFAR-10-C not found: no labels.npy in {', '.join(str(d) for d in dirs)}. Download CIFAR-10-C.tar "
+            "from https://zenodo.org/records/2535967 and extract it there, or leave out the path to generate it "
+            "from the CIFAR-10 test set"
         )
+    return _generated_cifar10_c(target, limit, seed, cache_dir, on_generated)
+
+
+def _cifar10_c_files(directory: Path, target: OodTarget, limit: int | None, seed: int) -> OodSet:
     files = sorted(p for p in directory.glob("*.npy") if p.name != "labels.npy")
     if not files:
         raise DataError(f"{directory} has labels.npy but no <corruption>.npy files; extract all of CIFAR-10-C there")
@@ -353,10 +400,115 @@ def _cifar10_c(target: OodTarget, path: Path | None, limit: int | None, seed: in
             images = torch.from_numpy(np.ascontiguousarray(stacked[chosen], dtype=np.uint8)).permute(0, 3, 1, 2)
             data = _in_run_format(images, _labels(labels[chosen], target, file), target)
             parts.append(OodPart(file.stem, severity, data))
-    return parts
+    return OodSet("cifar10-c", f"published CIFAR-10-C files in {directory}", parts)
 
 
-def _cifar10_1(target: OodTarget, path: Path | None, limit: int | None, seed: int) -> list[OodPart]:
+def _generated_cifar10_c(
+    target: OodTarget,
+    limit: int | None,
+    seed: int,
+    cache_dir: Path | None,
+    on_generated: Callable[[int], None] | None,
+) -> OodSet:
+    """The 15 + 4 CIFAR-10-C corruption types at 5 severities, made from the CIFAR-10 test set with imagecorruptions."""
+    library = _imagecorruptions()
+    test = load_source("cifar10", target.data_dir).test
+    assert test is not None
+    indices = _subset_indices(len(test), limit, seed)
+    clean = test.images[indices].permute(0, 2, 3, 1).numpy()  # imagecorruptions takes [H, W, 3] images
+    names = library.get_corruption_names("all")
+    key = _cache_key(f"cifar10-c-imagecorruptions{library_version()}", test.images, indices, seed)
+    parts = []
+    for number, corruption in enumerate(names):
+        path = None if cache_dir is None else cache_dir / key / f"{corruption}.npz"
+        stacked = _cached_corruptions(
+            path,
+            clean,
+            lambda severity, corruption=corruption, number=number: _library_corrupt(
+                library, clean, corruption, severity, [seed, number, severity]
+            ),
+        )
+        for severity, images in zip(SEVERITIES, stacked, strict=True):
+            data = _in_run_format(torch.from_numpy(images).permute(0, 3, 1, 2), test.labels[indices], target)
+            parts.append(OodPart(corruption, severity, data))
+        if on_generated is not None:
+            on_generated(len(names))
+    provenance = (
+        f"generated here from {len(indices)} CIFAR-10 test images with imagecorruptions {library_version()} "
+        f"({len(names)} corruptions, ImageNet-C severities: harsher than the published CIFAR-10-C files, so "
+        "compare such numbers only with each other)"
+    )
+    return OodSet("cifar10-c", provenance, parts)
+
+
+def library_version() -> str:
+    from importlib.metadata import version
+
+    return version("imagecorruptions")
+
+
+def _imagecorruptions():  # -> the imagecorruptions module
+    """imagecorruptions, adapted to today's scikit-image and NumPy, and made reproducible.
+
+    The PyPI release (1.1.2) still passes ``multichannel=`` to ``skimage.filters.gaussian`` (removed in
+    scikit-image 0.21) and uses ``np.float_`` (removed in NumPy 2) in three corruptions; upstream fixed both in
+    bethgelab/imagecorruptions#23 and #26 without a release. Its impulse noise calls ``skimage.util.random_noise``,
+    which since scikit-image 0.19 draws from a fresh unseeded generator: here it gets one seeded from NumPy's
+    global generator, like every other corruption of the library. These names are redirected inside that module
+    only.
+    """
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # it imports pkg_resources, which warns on every import
+            warnings.simplefilter("ignore")
+            import imagecorruptions
+            from imagecorruptions import corruptions
+    except ImportError as err:
+        raise DataError(
+            "CIFAR-10-C files not found, and generating them needs imagecorruptions: "
+            "pip install 'peradapt[corruptions]' (or put the published files in --data-dir/CIFAR-10-C/)"
+        ) from err
+    import skimage
+    from skimage.filters import gaussian
+
+    def gaussian_with_multichannel(image: np.ndarray, sigma: float, multichannel: bool = False, **kwargs):
+        return gaussian(image, sigma=sigma, channel_axis=-1 if multichannel else None, **kwargs)
+
+    def seeded_random_noise(image: np.ndarray, **kwargs) -> np.ndarray:
+        return skimage.util.random_noise(image, rng=int(np.random.randint(2**31)), **kwargs)
+
+    corruptions.gaussian = gaussian_with_multichannel
+    corruptions.np = _ModuleWith(np, float_=np.float64)
+    corruptions.sk = _ModuleWith(skimage, util=_ModuleWith(skimage.util, random_noise=seeded_random_noise))
+    return imagecorruptions
+
+
+class _ModuleWith:
+    """A module seen through a few replaced attributes."""
+
+    def __init__(self, module: object, **replaced: object) -> None:
+        self._module = module
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._module, name)
+
+
+def _library_corrupt(library, images: np.ndarray, corruption: str, severity: int, seed: list[int]) -> np.ndarray:
+    """imagecorruptions' ``corruption`` of every image, deterministic in ``seed``.
+
+    The library draws from NumPy's global generator: it is seeded here and restored afterwards.
+    """
+    state = np.random.get_state()
+    np.random.seed(np.random.SeedSequence(seed).generate_state(1))
+    try:
+        return np.stack([library.corrupt(image, severity=severity, corruption_name=corruption) for image in images])
+    finally:
+        np.random.set_state(state)
+
+
+def _cifar10_1(target: OodTarget, path: Path | None, limit: int | None, seed: int) -> OodSet:
     dirs = _search_dirs(path, target, ("CIFAR-10.1", "CIFAR-10.1/datasets", "datasets"), "cifar10.1")
     data_name, labels_name = "cifar10.1_v6_data.npy", "cifar10.1_v6_labels.npy"
     directory = next((d for d in dirs if (d / data_name).is_file() and (d / labels_name).is_file()), None)
@@ -376,7 +528,7 @@ def _cifar10_1(target: OodTarget, path: Path | None, limit: int | None, seed: in
     indices = _subset_indices(len(labels), limit, seed)
     tensor = torch.from_numpy(np.ascontiguousarray(images[indices], dtype=np.uint8)).permute(0, 3, 1, 2)
     data = _in_run_format(tensor, _labels(labels[indices], target, directory / labels_name), target)
-    return [OodPart("cifar10.1", None, data)]
+    return OodSet("cifar10.1", f"CIFAR-10.1 v6 files in {directory}", [OodPart("cifar10.1", None, data)])
 
 
 def _labels(values: np.ndarray, target: OodTarget, source: Path) -> torch.Tensor:
@@ -397,10 +549,6 @@ def _class_index(folder: str, target: OodTarget) -> int | None:
     names = [_normalized(n) for n in CLASS_NAMES.get(target.dataset, ())]
     wanted = _normalized(folder)
     return names.index(wanted) if wanted in names else None
-
-
-def _imagefolder(target: OodTarget, path: Path, limit: int | None, seed: int) -> list[OodPart]:
-    return [OodPart("imagefolder", None, load_imagefolder(path, target, limit=limit, seed=seed))]
 
 
 def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None, seed: int = 0) -> ImageSet:
