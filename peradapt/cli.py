@@ -286,12 +286,13 @@ def personalize(
 
     Prints its local-test accuracy with the global model and with its personalized model; writes the model and
     result.json under RUN/new_clients/<name>/."""
+    from peradapt.evaluation.report import METRIC_LABELS
     from peradapt.newclients import personalize_new_client
 
     result = personalize_new_client(run, new_client)
     before, after = result["before"]["local_test"], result["after"]["local_test"]
     out_console.print(
-        f"new client {result['client']} ({result['method']}): local-test accuracy "
+        f"new client {result['client']} ({result['method']}): local-test {METRIC_LABELS[result['metric']]} "
         f"{100 * before:.2f}% with the global model, {100 * after:.2f}% personalized",
         soft_wrap=True,
     )

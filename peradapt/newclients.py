@@ -18,6 +18,7 @@ import numpy as np
 from peradapt.data import ClientData
 from peradapt.data.ood import load_imagefolder
 from peradapt.errors import DataError, RunError
+from peradapt.evaluation import metric_name
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.seeds import derive_seed
 from peradapt.federation.session import RunPaths, Session
@@ -54,6 +55,7 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
         "client": name,
         "source": spec,
         "method": config.method.method,
+        "metric": metric_name(client.test),
         "train_samples": len(client.train),
         "test_samples": len(client.test),
         "before": {"model": "global", "local_test": before},
@@ -80,6 +82,11 @@ def _new_client(session: Session, spec: str, run_dir: Path) -> tuple[str, Client
         raise RunError(
             f"--new-client {spec!r} is neither a held-out client id of this run nor a directory of images "
             "(DIR/<class>/<images>, or DIR/train/<class>/ and DIR/test/<class>/)"
+        )
+    if session.data.global_test.multilabel:
+        raise RunError(
+            f"{run_dir} is a multi-label run ({session.config.data.data}): image folders give one class per image, "
+            "so a new client must be a held-out client id (train with --holdout-clients K)"
         )
     return re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name), _directory_client(session, path)
 

@@ -77,6 +77,7 @@ def _load_run(run: Path) -> dict:
         "path": run,
         "report": report,
         "scope": resolved.get("scope") or config.method.scope or "adapter",
+        "metric": report.get("metric", "accuracy"),  # runs from before multi-label support are single-label
         "history": _read_metrics(paths.metrics),
         "ood": _read_ood(run),
     }
@@ -150,6 +151,7 @@ def _plot_results(run: dict) -> RunResults:
     return RunResults(
         label=run["label"],
         rounds=rounds,
+        metric=run["metric"],
         curves=curves,
         clients=list(report["clients"]),
         personalized_local=[100 * v for v in report["personalized"]["local_test"]["per_client"]],
@@ -184,6 +186,7 @@ def _row(run: dict) -> dict:
         "method": report["method"],
         "seed": report["seed"],
         "scope": run["scope"],
+        "metric": run["metric"],
         "data": report["data"],
         "rounds": report["rounds"],
         "clients": len(report["clients"]),
@@ -209,11 +212,12 @@ def markdown_summary(rows: list[dict]) -> str:
     """The comparison table; accuracy columns and their names as in `peradapt compare`, then OOD and new clients."""
     ood_names = sorted({name for row in rows for name in row["ood"]})
     new_clients = any(row["new_clients"] for row in rows)
-    headers = ["run", "method", "seed", "scope", *(label for _, label in ACCURACIES)]
+    headers = ["run", "method", "seed", "scope", "metric", *(label for _, label in ACCURACIES)]
     headers += [f"{name} (personalized / global)" for name in ood_names]
     headers += ["new clients: global → personalized"] if new_clients else []
     lines = [
-        "Accuracy % (mean ± std over clients) of each run's personalized models; `global-test of w`: the global "
+        "Accuracy % (AUC % for multi-label runs: see `metric`), mean ± std over clients, of each run's personalized "
+        "models; `global-test of w`: the global "
         "model. OOD columns: mean over clients and over the set's corruptions and severities (`peradapt eval --ood`). "
         "New clients: mean local-test of the held-out clients before and after `peradapt personalize`.",
         "",
@@ -221,7 +225,7 @@ def markdown_summary(rows: list[dict]) -> str:
         "|" + "---|" * len(headers),
     ]
     for row in rows:
-        cells = [f"`{row['run']}`", row["method"], str(row["seed"]), row["scope"]]
+        cells = [f"`{row['run']}`", row["method"], str(row["seed"]), row["scope"], row["metric"]]
         cells += [_cell(row[key]) for key, _ in ACCURACIES]
         for name in ood_names:
             ood = row["ood"].get(name)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.data.ood import OodTarget
-from peradapt.errors import RunError
+from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
@@ -78,6 +78,10 @@ def evaluate_ood_run(
 
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
+    if session.data.global_test.multilabel:
+        raise ConfigError(
+            f"{run_dir} is a multi-label run ({session.config.data.data}): the OOD sets are single-label class sets"
+        )
     personal, global_state = _exported_states(session, paths)
     clients = sorted(personal)
     with progress_display(console or Console(stderr=True)) as progress:

@@ -68,8 +68,8 @@ def test_personalize_perada_new_client_records_before_and_after(holdout_run, cap
     personal = session.model.load_pretrained(exported)
     global_state = session.model.load_pretrained(holdout_run / "global")
     test = session.data.clients[HELD_OUT].test
-    assert session.trainer.accuracy(personal, test) == pytest.approx(after)
-    assert session.trainer.accuracy(global_state, test) == pytest.approx(before)
+    assert session.trainer.score(personal, test) == pytest.approx(after)
+    assert session.trainer.score(global_state, test) == pytest.approx(before)
     assert any(not torch.equal(personal[name], global_state[name]) for name in global_state)
 
 
@@ -88,7 +88,7 @@ def test_personalize_apfl_new_client_learns_from_the_fixed_global_model(
     session = open_run(run)
     personal = session.model.load_pretrained(run / "new_clients" / str(HELD_OUT))  # a full model (APFL's scope)
     client = session.data.clients[HELD_OUT]
-    assert session.trainer.accuracy(personal, client.test) == pytest.approx(result["after"]["local_test"])
+    assert session.trainer.score(personal, client.test) == pytest.approx(result["after"]["local_test"])
     # alpha and v are learned; w is the global model and stays fixed: the result is their mixture with it
     global_state = session.model.load_pretrained(run / "global")
     mixed = session.method.personalize_new_client(client, global_state, seed=0)
@@ -193,9 +193,9 @@ def test_personalize_a_directory_of_images(holdout_run, tmp_path, capsys, monkey
     assert result["client"] == "hospital_b" and result["source"] == str(new)
     assert (result["train_samples"], result["test_samples"]) == (len(client.train), len(client.test))
     global_state = session.model.load_pretrained(holdout_run / "global")
-    assert result["before"]["local_test"] == pytest.approx(session.trainer.accuracy(global_state, client.test))
+    assert result["before"]["local_test"] == pytest.approx(session.trainer.score(global_state, client.test))
     personal = session.model.load_pretrained(exported)
-    assert session.trainer.accuracy(personal, client.test) == pytest.approx(result["after"]["local_test"])
+    assert session.trainer.score(personal, client.test) == pytest.approx(result["after"]["local_test"])
 
     # One folder of classes: a quarter of the images become its test split.
     mixed = tmp_path / "clinic"
@@ -209,3 +209,28 @@ def test_personalize_a_directory_of_images(holdout_run, tmp_path, capsys, monkey
         ["personalize", "--run", str(holdout_run), "--new-client", str(tmp_path / "empty")], capsys, monkeypatch
     )
     assert code == 2 and "no images" in err
+
+
+def test_a_multi_label_run_scores_new_clients_by_auc(tmp_path, home, capsys, monkeypatch):
+    """CheXpert: the held-out client is scored by AUC; class folders and OOD class sets do not fit and are refused."""
+    from peradapt.data import chexpert as chexpert_module
+
+    from .test_officehome_chexpert import file_args, write_chexpert
+
+    write_chexpert(tmp_path / "data")
+    monkeypatch.setattr(chexpert_module, "RARE_COMBINATION_IMAGES", 4)
+    weights = home / "backbones" / f"fmnist-{TINY_BACKBONE}.safetensors"
+    run = tmp_path / "run"
+    extra = ("--partition", "dir:1", "--clients", "3", "--clients-per-round", "2", "--holdout-clients", "1")
+    code, _, err = run_cli(file_args("chexpert", tmp_path / "data", run, weights, *extra), capsys, monkeypatch)
+    assert code == 0, err
+    code, out, err = run_cli(["personalize", "--run", str(run), "--new-client", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    result = json.loads((run / "new_clients" / "2" / "result.json").read_text())
+    assert result["metric"] == "auc" and "local-test AUC" in out
+    for args in (
+        ["eval", "--run", str(run), "--ood", "fmnist-c"],
+        ["personalize", "--run", str(run), "--new-client", str(tmp_path)],
+    ):
+        code, _, err = run_cli(args, capsys, monkeypatch)
+        assert code == 2 and "multi-label" in err and len(err.strip().splitlines()) == 1

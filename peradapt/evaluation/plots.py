@@ -34,6 +34,7 @@ class RunResults:
 
     label: str  # `method (seed N)`
     rounds: int
+    metric: str = "accuracy"  # or "auc" (multi-label runs)
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric key -> (round, accuracy)
     clients: list[int] = field(default_factory=list)
     personalized_local: list[float] = field(default_factory=list)  # per client, same order as clients
@@ -54,6 +55,11 @@ def _save(figure, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     figure.savefig(tmp, dpi=DPI, format="png")  # no bbox_inches="tight": the pixel size stays as set
     os.replace(tmp, path)
+
+
+def _metric_label(runs: list[RunResults]) -> str:
+    metrics = {run.metric for run in runs}
+    return "score (accuracy or AUC)" if len(metrics) > 1 else {"auc": "AUC"}.get(metrics.pop(), "accuracy")
 
 
 def _color(index: int) -> str:
@@ -95,7 +101,7 @@ def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
         axis.set_title(PANEL_TITLES[panel], fontsize=10)
         axis.set_xlim(0.5, last_round + 0.5)  # the whole training, even when only the final evaluation exists
         axis.set_xlabel("round")
-        axis.set_ylabel("accuracy %")
+        axis.set_ylabel(f"{_metric_label(runs)} %")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
     # One legend for all panels (a run keeps its colour everywhere), outside so that it hides no line.
@@ -135,7 +141,7 @@ def plot_per_client(runs: list[RunResults], path: Path) -> Path:
         )
     axis.set_xticks(range(len(clients)), [str(c) for c in clients])
     axis.set_xlabel("client")
-    axis.set_ylabel("local-test accuracy %")
+    axis.set_ylabel(f"local-test {_metric_label(runs)} %")
     axis.set_ylim(0, 105)
     axis.grid(axis="y", alpha=0.3)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars stay visible

@@ -138,8 +138,3 @@ class LocalTrainer:
         if data.multilabel:
             return mean_auc(logits, data.labels)
         return (logits.argmax(dim=1) == data.labels).float().mean().item()
-
-    def accuracy(self, state: AdapterState, data: ImageSet) -> float:
-        """`score` of single-label data. Transitional: tests/test_newclients.py still calls it (remove with it)."""
-        assert not data.multilabel, "multi-label data has no accuracy: use score"
-        return self.score(state, data)

@@ -83,7 +83,26 @@ class Method(ABC):
         self.client_update(client, global_state, seed)
         return self.personalized(client.client_id, global_state)
 
-    def proximal_from_global(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+    def local_update(self, client: ClientData, global_state: AdapterState, seed: int) -> tuple[AdapterState, float]:
+        """E epochs of plain SGD from the global state (FedAvg's client step; PerAda Algorithm 1, line 15)."""
+        config = self.config
+        return self.trainer.sgd(
+            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+        )
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
+
+
+class ProximalPersonalization(Method):
+    """Methods whose personalized model is a stored v_m trained proximal to the global w: PerAda, Ditto, FedProx."""
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return self.stored_personal(client_id)
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """A new client's v from v = w: S epochs of the proximal personal update towards the fixed global w."""
         self.store.put(client.client_id, PERSONAL_KEY, global_state)
         personal, _ = self.proximal_personal_update(client, global_state, seed)
@@ -92,13 +111,6 @@ class Method(ABC):
     def stored_personal(self, client_id: int) -> AdapterState:
         """The client's personalized state, or the initial one for a client that was never sampled."""
         return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
-
-    def local_update(self, client: ClientData, global_state: AdapterState, seed: int) -> tuple[AdapterState, float]:
-        """E epochs of plain SGD from the global state (FedAvg's client step; PerAda Algorithm 1, line 15)."""
-        config = self.config
-        return self.trainer.sgd(
-            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
-        )
 
     def proximal_personal_update(
         self, client: ClientData, global_state: AdapterState, seed: int
@@ -119,11 +131,6 @@ class Method(ABC):
         )
         self.store.put(client.client_id, PERSONAL_KEY, personal)
         return personal, loss
-
-    def parameter_counts(self) -> dict[str, int]:
-        """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, Method, register
+from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
 
 @register
-class Ditto(Method):
+class Ditto(ProximalPersonalization):
     name = "ditto"
     summary = "FedAvg global model plus a personalized model proximal to it (Ditto, Li et al. 2021, Algorithm 1)"
     default_scope = "full"
@@ -47,12 +47,6 @@ class Ditto(Method):
     ) -> tuple[AdapterState, dict[str, float]]:
         uploads = [update.upload for update in updates]
         return average_states(uploads, [update.num_samples for update in updates]), {}
-
-    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
-        return self.stored_personal(client_id)
-
-    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
-        return self.proximal_from_global(client, global_state, seed)  # v from w, proximal to the fixed w
 
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()

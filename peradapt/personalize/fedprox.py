@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, Method, register
+from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
 
 @register
-class FedProx(Method):
+class FedProx(ProximalPersonalization):
     name = "fedprox"
     summary = "personalized FedProx: proximal local models, server gradient step on the Moreau envelope (Alg. 1)"
     default_scope = "adapter"
@@ -60,12 +60,6 @@ class FedProx(Method):
             for name, w in global_state.items()
         }
         return stepped, {}
-
-    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
-        return self.stored_personal(client_id)
-
-    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
-        return self.proximal_from_global(client, global_state, seed)  # v from w, proximal to the fixed w
 
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
 from peradapt.distill import ensemble_logits
-from peradapt.personalize.base import ClientUpdate, Method, register
+from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
 
 @register
-class PerAda(Method):
+class PerAda(ProximalPersonalization):
     name = "perada"
     summary = "personalized adapters with a proximal term to a KD-distilled global adapter (Algorithm 1)"
     uses_distillation = True
@@ -49,12 +49,6 @@ class PerAda(Method):
         assert distiller is not None
         teacher_logits = ensemble_logits(self.trainer, teachers, distiller.kd_data)
         return distiller.distill(averaged, teacher_logits, seed=seed, on_step=on_step)
-
-    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
-        return self.stored_personal(client_id)
-
-    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
-        return self.proximal_from_global(client, global_state, seed)  # v from w, proximal to the fixed w
 
     def parameter_counts(self) -> dict[str, int]:
         adapter = self.trainer.model.num_trainable()
