@@ -6,6 +6,7 @@ fixed size, so every plot of a kind has the same pixel size whatever it shows.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ ROUND_METRICS = (
     ("personalized_global_test", "global", "personalized"),
     ("global_global_test", "global", "global model"),
 )
+MODEL_STYLES = {"personalized": "o-", "global model": "s--"}  # marker, then line style
 PANEL_TITLES = {
     "local": "local-test (each client's own test split)",
     "global": "global-test (union of the clients' test splits)",
@@ -62,40 +64,43 @@ def _metric_label(runs: list[RunResults]) -> str:
     return "score (accuracy or AUC)" if len(metrics) > 1 else {"auc": "AUC"}.get(metrics.pop(), "accuracy")
 
 
-def _color(index: int) -> str:
-    return f"C{index % 10}"
+def _colors(count: int) -> list:
+    """One colour per run: matplotlib's ten default colours, then tab20, then a continuous map."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [f"C{index}" for index in range(count)]
+    if count <= 20:
+        return [colormaps["tab20"](index) for index in range(count)]
+    return [colormaps["turbo"](index / (count - 1)) for index in range(count)]
+
+
+def _legend(figure, handles: list, count: int) -> None:
+    """Outside on the right, so that it hides no data; two columns when it would not fit in one."""
+    figure.legend(handles=handles, loc="outside right upper", fontsize=8, ncols=1 if count <= 22 else 2)
 
 
 def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
     """One panel per test set (local-test, global-test, and OOD when a run has it); one line per run and model."""
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     panels = ["local", "global"] + (["ood"] if any(run.ood for run in runs) else [])
+    ood_markers = dict(zip(sorted({name for run in runs for name in run.ood}), itertools.cycle("*PXD^v"), strict=False))
     figure = _figure(ROUNDS_SIZE)
     # Shared x axis: the OOD markers sit at the last round of the same scale as the curves.
     axes = dict(zip(panels, figure.subplots(1, len(panels), squeeze=False, sharex=True)[0], strict=True))
-    for index, run in enumerate(runs):
+    colors = _colors(len(runs))
+    for run, color in zip(runs, colors, strict=True):
         for key, panel, model in ROUND_METRICS:
             points = run.curves.get(key, [])
-            if not points:
-                continue
-            x, y = zip(*points, strict=True)
-            style = "-" if model == "personalized" else "--"
-            marker = "o" if model == "personalized" else "s"
-            axes[panel].plot(
-                x, y, style, marker=marker, markersize=4, color=_color(index), label=f"{run.label}, {model}"
-            )
-        for marker, (name, accuracies) in zip("*PXD^v", sorted(run.ood.items()), strict=False):
-            for model, fill in (("personalized", _color(index)), ("global", "none")):
-                axes["ood"].plot(
-                    [run.rounds],
-                    [accuracies[model]],
-                    marker,
-                    markersize=11,
-                    color=_color(index),
-                    markerfacecolor=fill,
-                    label=f"{run.label}, {name}, {model if model == 'personalized' else 'global model'}",
-                )
+            if points:
+                x, y = zip(*points, strict=True)
+                axes[panel].plot(x, y, MODEL_STYLES[model], markersize=4, color=color)
+        for name, accuracies in run.ood.items():
+            for model, fill in (("personalized", color), ("global model", "none")):
+                value = accuracies["personalized" if model == "personalized" else "global"]
+                axes["ood"].plot([run.rounds], [value], ood_markers[name], markersize=11, color=color, mfc=fill)
     last_round = max((run.rounds for run in runs), default=1)
     for panel, axis in axes.items():
         axis.set_title(PANEL_TITLES[panel], fontsize=10)
@@ -104,14 +109,19 @@ def plot_accuracy_per_round(runs: list[RunResults], path: Path) -> Path:
         axis.set_ylabel(f"{_metric_label(runs)} %")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-    # One legend for all panels (a run keeps its colour everywhere), outside so that it hides no line.
-    entries = {}
-    for axis in axes.values():
-        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
-            entries.setdefault(label, handle)
-    if entries:
-        figure.legend(entries.values(), entries.keys(), loc="outside right upper", fontsize=8)
-    title = "accuracy per round (personalized models solid, global model dashed)"
+    # A run keeps its colour in every panel; line style and marker say which model and which OOD set.
+    handles = [Line2D([], [], color=color, lw=6, label=run.label) for run, color in zip(runs, colors, strict=True)]
+    handles += [
+        Line2D([], [], color="black", ls=MODEL_STYLES[m][1:], marker="os"[i], label=m)
+        for i, m in enumerate(MODEL_STYLES)
+    ]
+    for name, marker in ood_markers.items():
+        handles += [
+            Line2D([], [], ls="", marker=marker, markersize=9, color="black", mfc=fill, label=f"{name}, {model}")
+            for model, fill in (("personalized", "black"), ("global model", "none"))
+        ]
+    _legend(figure, handles, len(handles))
+    title = f"{_metric_label(runs)} per round"
     if all(len(points) <= 1 for run in runs for points in run.curves.values()):
         title += ": only the final evaluation (train with --eval-every N for curves)"
     figure.suptitle(title, fontsize=11)
@@ -126,9 +136,9 @@ def plot_per_client(runs: list[RunResults], path: Path) -> Path:
     width = 0.8 / max(len(runs), 1)
     figure = _figure(PER_CLIENT_SIZE)
     axis = figure.subplots()
-    for index, run in enumerate(runs):
+    for index, (run, color) in enumerate(zip(runs, _colors(len(runs)), strict=True)):
         x = [position[c] - 0.4 + width * (index + 0.5) for c in run.clients]
-        axis.bar(x, run.personalized_local, width=width * 0.95, color=_color(index), label=f"{run.label}, personalized")
+        axis.bar(x, run.personalized_local, width=width * 0.95, color=color, label=run.label)
         axis.scatter(
             x,
             run.global_local,
@@ -144,7 +154,9 @@ def plot_per_client(runs: list[RunResults], path: Path) -> Path:
     axis.set_ylabel(f"local-test {_metric_label(runs)} %")
     axis.set_ylim(0, 105)
     axis.grid(axis="y", alpha=0.3)
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars stay visible
-    axis.set_title("per-client local-test accuracy: personalized adapters (bars) and the global model (black ticks)")
+    _legend(figure, axis.get_legend_handles_labels()[0], len(runs) + 1)
+    axis.set_title(
+        f"per-client local-test {_metric_label(runs)}: personalized models (bars), the global model (black ticks)"
+    )
     _save(figure, path)
     return path
