@@ -465,8 +465,8 @@ def _imagecorruptions():  # -> the imagecorruptions module
             import imagecorruptions
             from imagecorruptions import corruptions
     except ImportError as err:
-        raise DataError(
-            "CIFAR-10-C files not found, and generating them needs imagecorruptions: "
+        raise DataError(  # its OpenCV also fails to import without the system's libGL: say what failed
+            f"CIFAR-10-C files not found, and generating them needs imagecorruptions, which did not import ({err}): "
             "pip install 'peradapt[corruptions]' (or put the published files in --data-dir/CIFAR-10-C/)"
         ) from err
     import skimage
