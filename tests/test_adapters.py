@@ -6,11 +6,13 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import PeftModel
 from peft.utils.warning import PeftWarning
 from torch import nn
 
 from peradapt.adapters import average_states, inject_adapters
+from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
 from peradapt.backbones import create_backbone, freeze
 from peradapt.errors import ConfigError, WeightsError
 
@@ -224,3 +226,42 @@ def test_adapter_layers_are_not_mergeable():
     assert isinstance(layer.lora_residual["default"][2], nn.Conv2d)
     with pytest.raises(NotImplementedError):
         layer.merge()
+
+
+# ---------------------------------------------------------------- the residual branch's dropout and projection
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_channel_projection_is_the_1x1_convolution(memory_format):
+    projection = ChannelProjection(6)
+    x = torch.randn(4, 6, 3, 5).contiguous(memory_format=memory_format).requires_grad_(True)
+    actual = projection(x)
+    expected = F.conv2d(x, projection.weight)
+    torch.testing.assert_close(actual, expected)
+    grad = torch.randn_like(expected)
+    actual_grads = torch.autograd.grad(actual, (x, projection.weight), grad)
+    expected_grads = torch.autograd.grad(expected, (x, projection.weight), grad)
+    for got, want in zip(actual_grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_adapter_dropout_keeps_1_minus_p_of_the_elements_scaled_and_follows_the_seed(memory_format):
+    dropout = AdapterDropout(0.3)
+    x = torch.rand(8, 16, 12, 12).add_(1).contiguous(memory_format=memory_format)  # no zeros of its own
+    torch.manual_seed(5)
+    first = dropout(x)
+    torch.manual_seed(5)
+    assert torch.equal(dropout(x), first)
+    kept = first != 0
+    assert kept.float().mean().item() == pytest.approx(0.7, abs=0.01)
+    torch.testing.assert_close(first[kept], x[kept] / 0.7)
+    dropout.eval()
+    assert torch.equal(dropout(x), x)
+
+
+def test_adapter_dropout_draws_every_mask_element_independently():
+    # Neighbours in memory come from the same 64-bit draw: they must still be independent of each other.
+    mask = keep_mask(torch.empty(400_000), 0.5).view(-1, 4).float()
+    pairs = torch.corrcoef(mask.T)
+    assert (pairs - torch.eye(4)).abs().max().item() < 0.01

@@ -477,6 +477,14 @@ def test_to_model_input_normalizes() -> None:
     torch.testing.assert_close(result.flatten(), torch.tensor([-0.4, 0.0, 1.6]))
 
 
+def test_to_model_input_is_channels_last() -> None:
+    images = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8)
+    result = to_model_input(images, (0.2, 0.3, 0.4), (0.5, 0.5, 0.5), "cpu")
+    assert result.is_contiguous(memory_format=torch.channels_last)
+    expected = (images.float() / 255 - torch.tensor([0.2, 0.3, 0.4]).view(1, 3, 1, 1)) / 0.5
+    torch.testing.assert_close(result, expected)
+
+
 def test_iterate_minibatches_covers_every_index_once() -> None:
     generator = torch.Generator().manual_seed(0)
     batches = list(iterate_minibatches(10, 4, generator))

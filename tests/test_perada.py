@@ -145,7 +145,17 @@ def test_sgd_keeps_frozen_backbone_untouched():
     frozen = {k: v.clone() for k, v in trainer.model.module.state_dict().items() if k not in trainer.model.state()}
     trainer.sgd(perturbed(trainer.model, seed=1), image_set(2 * BATCH, seed=3), epochs=2, lr=0.1, seed=0)
     after = trainer.model.module.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in frozen.items())
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())  # weights and BatchNorm statistics
+
+
+def test_sgd_computes_gradients_of_the_adapter_only():
+    trainer = tiny_trainer()
+    anchor = perturbed(trainer.model, seed=2)
+    trainer.sgd(trainer.model.state(), image_set(BATCH, seed=3), epochs=1, lr=0.1, seed=0, anchor=anchor, lam=0.5)
+    trainable = set(trainer.model.trainable_parameters().values())
+    parameters = list(trainer.model.module.parameters())
+    assert all(p.grad is None for p in parameters if p not in trainable)  # no weight gradient for the backbone
+    assert all(p.grad is not None for p in trainable)
 
 
 # ---------------------------------------------------------------- PerAda client and server updates

@@ -33,7 +33,8 @@ class AdaptedModel:
     """The shared model and what trains in it: adapters (scope `adapter`) or the whole network (scope `full`)."""
 
     def __init__(self, module: nn.Module, kind: str, scope: str = "adapter") -> None:
-        self.module = module
+        # The layout of the inputs `to_model_input` makes: weights in another would be reordered at every call.
+        self.module = module.to(memory_format=torch.channels_last)
         self.kind = kind
         self.scope = scope
         self._parameters = {n: p for n, p in module.named_parameters() if p.requires_grad}

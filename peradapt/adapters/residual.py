@@ -24,6 +24,8 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from peradapt.adapters.branch import AdapterDropout, ChannelProjection
+
 RESIDUAL_INIT = "residual_adapter"
 ADAPTER_INIT_STD = 1e-4
 
@@ -42,9 +44,11 @@ class ResidualAdapterLayer(nn.Module, LoraLayer):
 
     def update_layer(self, adapter_name: str, lora_dropout: float, **kwargs: Any) -> None:
         channels = self.get_base_layer().out_channels
-        projection = nn.Conv2d(channels, channels, kernel_size=1, bias=False)
+        projection = ChannelProjection(channels)
         nn.init.normal_(projection.weight, mean=0.0, std=ADAPTER_INIT_STD)
-        self.lora_residual[adapter_name] = nn.Sequential(nn.BatchNorm2d(channels), nn.Dropout(lora_dropout), projection)
+        self.lora_residual[adapter_name] = nn.Sequential(
+            nn.BatchNorm2d(channels), AdapterDropout(lora_dropout), projection
+        )
         self.lora_dropout_p[adapter_name] = lora_dropout
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters)

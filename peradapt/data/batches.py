@@ -12,7 +12,11 @@ import torch.nn.functional as F
 def to_model_input(
     images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float], device: torch.device | str
 ) -> torch.Tensor:
-    """``(x / 255 - mean) / std`` as float32 on ``device``."""
+    """``(x / 255 - mean) / std`` as float32 on ``device``, in channels-last memory order.
+
+    Channels-last is the layout oneDNN and cuDNN convolve fastest, and the one the residual adapters' 1x1
+    projections multiply in place (`peradapt.adapters.branch`); convolutions keep it from layer to layer.
+    """
     if images_uint8.dtype != torch.uint8:
         raise ValueError(f"expected uint8 images, got {images_uint8.dtype}")
     if len(mean) != images_uint8.shape[1] or len(std) != images_uint8.shape[1]:
@@ -20,7 +24,7 @@ def to_model_input(
     device = torch.device(device)
     scale, shift = _affine_normalization(tuple(mean), tuple(std), device)
     # Moving uint8 before converting sends a quarter of the bytes to the device.
-    pixels = images_uint8.to(device, non_blocking=True).to(torch.float32)
+    pixels = images_uint8.to(device, non_blocking=True).to(torch.float32, memory_format=torch.channels_last)
     return torch.addcmul(shift, pixels, scale)
 
 
