@@ -38,10 +38,15 @@ RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt
 @app.command()
 def pretrain(
     data: Annotated[str, Opt(help="Dataset whose labeled pretraining split trains the backbone.")] = "fmnist",
-    backbone: Annotated[str, Opt(help="timm model name, or a narrow ResNet such as resnet18_w16.")] = "resnet18",
+    backbone: Annotated[
+        str, Opt(help="timm model name, a narrow ResNet such as resnet18_w16, or the tiny ViT vit_tiny_p4_32.")
+    ] = "resnet18",
     epochs: Annotated[int, Opt(help="Passes over the pretraining split.")] = 5,
     batch_size: Annotated[int, Opt(help="Minibatch size.")] = 128,
-    lr: Annotated[float, Opt(help="Peak learning rate (SGD, one-cycle schedule).")] = 0.05,
+    lr: Annotated[
+        float | None,
+        Opt(help="Peak learning rate of the one-cycle schedule \\[default: 0.05 (SGD); ViTs: 0.001 (AdamW)]."),
+    ] = None,
     limit_samples: Annotated[int | None, Opt(help="Use at most this many images (smoke runs).")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
     download: Annotated[bool, Opt(help="Download the dataset if missing (needs a network).")] = False,
@@ -77,13 +82,28 @@ def train(
     ] = None,
     clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
     method: Annotated[str | None, Opt(help=f"{' | '.join(METHODS)}. {_default('method')}")] = None,
-    backbone: Annotated[str | None, Opt(help=f"timm model name. {_default('backbone')}")] = None,
+    backbone: Annotated[
+        str | None,
+        Opt(
+            help="timm model name (resnet18, resnet18_w16, vit_small_patch16_224, vit_tiny_p4_32, ...) or "
+            "hf:DIR_OR_ID (a transformers image classifier from a directory or the local Hugging Face cache). "
+            f"{_default('backbone')}"
+        ),
+    ] = None,
     weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) \\[default: from `pretrain`].")] = None,
-    adapter: Annotated[str | None, Opt(help="residual (PerAda's, default for ResNets) or lora.")] = None,
+    adapter: Annotated[
+        str | None,
+        Opt(
+            help="residual (PerAda's, default for ResNets; on ViTs a bottleneck adapter on every block's MLP) or "
+            "lora (default for ViTs: attention and MLP projections)."
+        ),
+    ] = None,
     adapter_dropout: Annotated[
         float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")
     ] = None,
-    lora_rank: Annotated[int | None, Opt(help=f"LoRA rank for --adapter lora. {_default('lora_rank')}")] = None,
+    lora_rank: Annotated[
+        int | None, Opt(help=f"LoRA rank; bottleneck width of ViT residual adapters. {_default('lora_rank')}")
+    ] = None,
     scope: Annotated[
         str | None, Opt(help="adapter (frozen backbone) or full (whole network) \\[default: the method's]")
     ] = None,
@@ -153,8 +173,8 @@ def train(
     image_size: Annotated[
         int | None,
         Opt(
-            help="Resize images to PX x PX \\[default: native size; 224 for office-home and chexpert, decoded "
-            "once and cached in $PERADAPT_HOME/cache].",
+            help="Resize images to PX x PX \\[default: a ViT's input size (vit_small_patch16_224: 224); else native "
+            "size, 224 for office-home and chexpert, decoded once and cached in $PERADAPT_HOME/cache].",
             metavar="PX",
         ),
     ] = None,
@@ -263,10 +283,15 @@ def export(
 
     path = export_run(run, out)
     out_console.print(f"adapters and backbone written to {path}")
+    if (path / "backbone").is_dir():  # a transformers backbone, exported as a model directory
+        load = f"backbone = AutoModelForImageClassification.from_pretrained('{path}/backbone')"
+    else:
+        load = (
+            "backbone = timm.create_model(...); backbone.load_state_dict(safetensors.torch.load_file("
+            f"'{path}/backbone.safetensors'))"
+        )
     out_console.print(
-        "load one with: backbone = timm.create_model(...); backbone.load_state_dict(safetensors.torch.load_file("
-        f"'{path}/backbone.safetensors')); import peradapt; "
-        f"peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
+        f"load one with: {load}; import peradapt; peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
     )
 
 

@@ -22,19 +22,19 @@ class DataConfig:
     partition: str = "dir:0.1"
     kd_data: str = "auto"
     limit_samples: int | None = None
-    image_size: int | None = None  # None: native size, or 224 px for datasets decoded from image files
+    image_size: int | None = None  # None: a ViT's input size; else native, or 224 px for data decoded from files
     download: bool = False
 
 
 @dataclass
 class BackboneConfig:
-    backbone: str = "resnet18"
+    backbone: str = "resnet18"  # a timm model name, or hf:PATH_OR_ID for a transformers image classifier
     weights: str | None = None
 
 
 @dataclass
 class AdapterConfig:
-    adapter: str | None = None  # None: residual for ResNets
+    adapter: str | None = None  # None: residual for ResNets, lora for ViTs
     adapter_dropout: float = 0.3
     lora_rank: int = 8
 

@@ -13,14 +13,21 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from peradapt.backbones import BackboneInfo, create_backbone, default_weights_path, save_backbone
+from peradapt.adapters.vit import is_vit
+from peradapt.backbones import BackboneInfo, create_backbone, default_weights_path, fixed_image_size, save_backbone
 from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
 from peradapt.federation.session import resolve_device
+from peradapt.hf import is_hf
 from peradapt.progress import progress_display
 
 HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
+# (peak learning rate, weight decay): ResNets train with Nesterov SGD. ViTs train poorly from scratch with SGD, so
+# they get AdamW with a ViT's usual weight decay (the tiny ViT, 2 epochs on Fashion-MNIST: 61.5% held-out accuracy
+# against SGD's 41.6%).
+SGD_DEFAULTS = (0.05, 5e-4)
+ADAMW_DEFAULTS = (1e-3, 0.05)
 
 
 @dataclass
@@ -29,8 +36,8 @@ class PretrainConfig:
     backbone: str = "resnet18"
     epochs: int = 5
     batch_size: int = 128
-    lr: float = 0.05
-    weight_decay: float = 5e-4
+    lr: float | None = None  # None: the optimizer's default (SGD_DEFAULTS, ADAMW_DEFAULTS)
+    weight_decay: float | None = None
     limit_samples: int | None = None
     data_dir: str | None = None
     download: bool = False
@@ -39,7 +46,12 @@ class PretrainConfig:
     device: str = "auto"
 
     def validate(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+        if is_hf(self.backbone):
+            raise ConfigError(
+                f"{self.backbone}: `peradapt pretrain` makes timm backbones; a Hugging Face model brings its own "
+                "weights (pass it to `peradapt train --backbone` as it is)"
+            )
+        if self.epochs < 1 or self.batch_size < 1 or (self.lr is not None and self.lr <= 0):
             raise ConfigError("--epochs and --batch-size must be at least 1 and --lr positive")
         if self.limit_samples is not None and self.limit_samples < 2:
             raise ConfigError("--limit-samples must be at least 2 for pretraining")
@@ -50,19 +62,21 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     console = console or Console(stderr=True)
     config.validate()
     images, source = pretraining_split(
-        config.data, config.data_dir, limit_samples=config.limit_samples, download=config.download
+        config.data,
+        config.data_dir,
+        limit_samples=config.limit_samples,
+        download=config.download,
+        image_size=fixed_image_size(config.backbone),  # a ViT's resolution; ResNets train at the native size
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
     train_set, held_out = _hold_out(images, config.seed)
     inputs = InputPipeline(source.mean, source.std, device, augment=True)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=0.9, nesterov=True, weight_decay=config.weight_decay
-    )
+    optimizer, lr = _optimizer(model, config)
     steps_per_epoch = -(-len(train_set) // config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.15
+        optimizer, max_lr=lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.15
     )
     generator = seeded_generator(config.seed)
     assert train_set.labels is not None
@@ -95,6 +109,17 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     )
     save_backbone(model.state_dict(), info, out)
     return out, accuracy
+
+
+def _optimizer(model: torch.nn.Module, config: PretrainConfig) -> tuple[torch.optim.Optimizer, float]:
+    """The optimizer for `model` and its peak learning rate: AdamW for ViTs, Nesterov SGD for the others."""
+    vit = is_vit(model)
+    default_lr, default_decay = ADAMW_DEFAULTS if vit else SGD_DEFAULTS
+    lr = default_lr if config.lr is None else config.lr
+    decay = default_decay if config.weight_decay is None else config.weight_decay
+    if vit:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay), lr
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=decay), lr
 
 
 def _hold_out(images: ImageSet, seed: int) -> tuple[ImageSet, ImageSet]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import save_file
 
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.data.ood import OodTarget
@@ -16,6 +17,7 @@ from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.hf import is_hf
 from peradapt.progress import progress_display
 
 
@@ -189,7 +191,16 @@ def export_run(run_dir: Path, out: Path) -> Path:
         session.trainer.inputs.std,
         session.backbone.source,
     )
-    save_backbone(plain, info, out / "backbone.safetensors")
+    if not is_hf(info.backbone):
+        save_backbone(plain, info, out / "backbone.safetensors")
+        return out
+    # A transformers model directory (config with the task's classes and channels + weights): from_pretrained
+    # loads it, and `--backbone hf:OUT/backbone` trains on it again. Its description is OUT/backbone.json, as for timm.
+    directory = out / "backbone"
+    session.model.module.get_base_model().config.save_pretrained(str(directory))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in plain.items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    info.save(directory)  # writes directory.with_suffix(".json")
     return out
 
 

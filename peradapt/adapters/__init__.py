@@ -10,6 +10,7 @@ from peradapt.adapters.model import (
 )
 from peradapt.adapters.residual import RESIDUAL_INIT, ResidualAdapterLayer
 from peradapt.adapters.state import average_states, state_nbytes, state_to, state_to_cpu
+from peradapt.adapters.vit import BottleneckAdapterLayer
 
 __all__ = [
     "ADAPTER_KINDS",
@@ -17,6 +18,7 @@ __all__ = [
     "SCOPES",
     "AdaptedModel",
     "AdapterState",
+    "BottleneckAdapterLayer",
     "ResidualAdapterLayer",
     "average_states",
     "default_adapter_kind",

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from peradapt.adapters.residual import RESIDUAL_INIT
+from peradapt.adapters.vit import block_layer_norms, is_vit, linear_layers, mlp_outputs
 from peradapt.backbones import classifier_name
 from peradapt.errors import ConfigError, WeightsError
 
@@ -89,7 +90,9 @@ class AdaptedModel:
         self.module.eval()
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(inputs)
+        outputs = self.module(inputs)
+        # transformers models answer with a ModelOutput; everything here works on the logits alone.
+        return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
 
     def save_pretrained(self, directory: Path, state: AdapterState) -> None:
         """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained.
@@ -171,9 +174,17 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
     head = classifier_name(backbone)
     block_convs = _basic_block_convs(backbone)
     if kind == "residual":
+        if is_vit(backbone):  # the bottleneck adapter on every block's MLP output (adapters/vit.py)
+            return LoraConfig(
+                target_modules=mlp_outputs(backbone),
+                modules_to_save=[*block_layer_norms(backbone), head],
+                r=lora_rank,
+                lora_dropout=dropout,
+                init_lora_weights=RESIDUAL_INIT,
+            )
         if not block_convs:
             raise ConfigError(
-                f"residual adapters need a basic-block ResNet (resnet18, resnet34, resnet10t, ...), "
+                f"residual adapters need a basic-block ResNet (resnet18, resnet34, resnet10t, ...) or a ViT, "
                 f"not {type(backbone).__name__}: use --adapter lora"
             )
         return LoraConfig(
@@ -183,16 +194,24 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
             init_lora_weights=RESIDUAL_INIT,
         )
     if kind == "lora":
-        targets = block_convs or [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
-        targets = [t for t in targets if t != head]
         return LoraConfig(
-            target_modules=targets,
+            target_modules=_lora_targets(backbone, block_convs, head),
             modules_to_save=[head],
             r=lora_rank,
             lora_alpha=lora_rank,
             lora_dropout=dropout,
         )
     raise ConfigError(f"unknown --adapter '{kind}': use one of {', '.join(ADAPTER_KINDS)}")
+
+
+def _lora_targets(backbone: nn.Module, block_convs: list[str], head: str) -> list[str]:
+    """ResNets: the basic blocks' convolutions; ViTs: the attention and MLP projections; other networks: every
+    convolution and linear layer. Never the head, which trains whole."""
+    if block_convs:
+        return block_convs
+    if is_vit(backbone):
+        return linear_layers(backbone, head)
+    return [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d | nn.Linear) and n != head]
 
 
 def _basic_block_convs(backbone: nn.Module) -> list[str]:

@@ -118,13 +118,19 @@ def has_pretraining_split(dataset: str) -> bool:
 
 
 def pretraining_split(
-    dataset: str, data_dir: Path | str | None, *, limit_samples: int | None, download: bool = False
+    dataset: str,
+    data_dir: Path | str | None,
+    *,
+    limit_samples: int | None,
+    download: bool = False,
+    image_size: int | None = None,
 ) -> tuple[ImageSet, SourceData]:
-    """The labeled images reserved for ``peradapt pretrain`` (never given to clients), and their source."""
+    """The labeled images reserved for ``peradapt pretrain`` (never given to clients), and their source, resized
+    to ``image_size`` if given."""
     _check_limit(limit_samples)
     if not has_pretraining_split(dataset):
         raise DataError(f"{dataset} has no pretraining split: pass --weights FILE (e.g. ImageNet weights) to train")
-    source = load_source(dataset, data_dir, download)
+    source = load_source(dataset, data_dir, download, image_size)
     splits = _source_splits(source, limit_samples)
     return source.train.subset(splits.pretrain), source
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
-from peradapt.backbones import BackboneInfo, load_backbone
+from peradapt.backbones import BackboneInfo, fixed_image_size, load_backbone
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData, FederatedData, build_federation
 from peradapt.distill import Distiller
@@ -120,6 +120,8 @@ def resolve_device(name: str) -> torch.device:
 def build_session(config: TrainConfig, saved_partition: dict | None = None) -> Session:
     config.validate()
     method_cls = method_class(config.method.method)
+    # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
+    image_size = config.data.image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
         config.data.data,
         config.data.data_dir,
@@ -128,7 +130,7 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
         seed=config.seed,
         kd_data=config.data.kd_data,
         limit_samples=config.data.limit_samples,
-        image_size=config.data.image_size,
+        image_size=image_size,
         download=config.data.download,
         saved_partition=saved_partition,
     )

@@ -29,6 +29,9 @@ bn = every BatchNorm layer (weights, biases, running statistics; downsample BNs 
 the classifier, input = every module named `conv1` or `bn1` (the stem and the first conv + BN of every basic
 block: 4.73M on ResNet-18, Table 7's "Input layer", leaving the 6.45M communicated of Table 1; the stem alone
 would be 0.0095M), adapter = the adapters' own modules (`lora_` names), extractor = all but the classifier.
+On a ViT the same roles fall to: bn = every LayerNorm (the normalization layers, as FedBN keeps local), input =
+the embedding (patch projection, class token, position embeddings: timm `patch_embed`/`cls_token`/`pos_embed`,
+transformers `embeddings`).
 
 These are full-model methods in Table 1 (11.18M trained per client), so they train the whole network
 (scope `full`) unless --scope says otherwise.
@@ -41,6 +44,7 @@ from collections.abc import Callable, Collection
 from typing import ClassVar
 
 import torch
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from peradapt.adapters import AdaptedModel, AdapterState, average_states
@@ -51,7 +55,7 @@ from peradapt.federation.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.personalize.base import PERSONAL_KEY, ClientUpdate, Method, MethodContext, register
 
 EXTRACTOR = "extractor"  # LG-FedAvg's personal part: no --personal-part value, only a method default
-INPUT_MODULES = ("conv1", "bn1")
+INPUT_MODULES = ("conv1", "bn1", "patch_embed", "cls_token", "reg_token", "pos_embed", "embeddings")
 ADAPTER_MARK = "lora_"
 
 
@@ -59,7 +63,7 @@ def personal_keys(model: AdaptedModel, part: str) -> list[str]:
     """The state keys of `model` that form personal part `part` (bn, head, output, input, adapter, extractor)."""
     keys = list(model.state())
     if part == "bn":
-        norms = {name for name, module in model.module.named_modules() if isinstance(module, _BatchNorm)}
+        norms = {n for n, module in model.module.named_modules() if isinstance(module, _BatchNorm | nn.LayerNorm)}
         return [k for k in keys if k.rpartition(".")[0] in norms]
     if part in ("head", "output", EXTRACTOR):
         head = classifier_name(model.module) + "."
@@ -88,7 +92,11 @@ class PartialModel(Method):
         self.personal = [k for k in context.initial if k in personal]
         self.shared = [k for k in context.initial if k not in personal]
         if not self.personal:
-            hint = ": the model has no adapters (drop --adapter none)" if self.part == "adapter" else ""
+            hint = ""
+            if self.part == "adapter":
+                hint = ": the model has no adapters (drop --adapter none)"
+            elif self.trainer.model.scope == "adapter":
+                hint = ": that part of the backbone is frozen with --scope adapter (use --scope full)"
             raise ConfigError(f"--personal-part {self.part} matches nothing in this model{hint}")
         if not any(k in self.trainer.model.trainable_parameters() for k in self.shared):
             raise ConfigError(f"--personal-part {self.part} leaves nothing to share: use --scope full")
