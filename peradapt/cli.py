@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from peradapt.config import TrainConfig, read_config_file
+from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
 from peradapt.errors import ConfigError, PeradaptError
 from peradapt.personalize import METHODS
 
@@ -32,6 +32,7 @@ def _default(key: str) -> str:
 
 
 Opt = typer.Option
+INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation; partition.json has them all
 RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
 
 
@@ -168,6 +169,14 @@ def train(
     holdout_clients: Annotated[
         int | None,
         Opt(help=f"Keep the last K clients out of training, for `peradapt personalize`. {_default('holdout_clients')}"),
+    ] = None,
+    client_store: Annotated[
+        str | None,
+        Opt(
+            help="Where clients' private state (e.g. PerAda's personalized adapters) lives between rounds: memory "
+            "(and in every checkpoint), disk (OUT/client_store/, a safetensors file per client; memory holds only "
+            f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients. {_default('client_store')}"
+        ),
     ] = None,
     limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
     image_size: Annotated[
@@ -337,10 +346,14 @@ def info(run: RunDir) -> None:
     histogram_column = f"train histogram of {partition.get('histograms_of', 'classes')}"
     for column in ("client", "train", "test", histogram_column):
         table.add_column(column, justify="right" if column != histogram_column else "left")
-    for client in partition["clients"]:
+    clients = partition["clients"]
+    for client in clients[:INFO_CLIENT_ROWS]:
         histogram = " ".join(str(n) for n in client["train_histogram"])
         table.add_row(str(client["id"]), str(len(client["train"])), str(len(client["test"])), histogram)
     out_console.print(table)
+    if len(clients) > INFO_CLIENT_ROWS:
+        more = len(clients) - INFO_CLIENT_ROWS
+        out_console.print(f"... and {more:,} more clients ({run / 'partition.json'})", soft_wrap=True)
     skew = label_skew([c["train_histogram"] for c in partition["clients"]])
     out_console.print(f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}")
     if "trainable_parameters" in resolved:
@@ -349,6 +362,9 @@ def info(run: RunDir) -> None:
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
             f"adapter: {resolved['adapter']}, scope: {resolved.get('scope', 'adapter')}"
         )
+    if "client_store" in resolved:
+        where = f" ({run / 'client_store'})" if resolved["client_store"] == "disk" else ", in the checkpoints"
+        out_console.print(f"client state: {resolved['client_store']}{where}", soft_wrap=True)
     if "parameter_counts" in resolved:  # the columns of the PerAda paper's Table 1, per client
         counts = resolved["parameter_counts"]
         out_console.print(

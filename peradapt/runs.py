@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from peradapt.adapters import AdapterState
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError
@@ -26,29 +29,68 @@ def open_run(run_dir: Path) -> Session:
     return build_session(config, read_partition(run_dir))
 
 
-def _exported_states(session: Session, paths: RunPaths) -> tuple[dict[int, dict], dict]:
-    if not paths.global_adapter.is_dir():
-        raise RunError(
-            f"{paths.root} has no exported adapters yet: finish it with `peradapt train --out {paths.root} --resume`"
-        )
-    personal = {
-        c.client_id: session.model.load_pretrained(paths.clients / str(c.client_id)) for c in session.federated_clients
-    }
-    return personal, session.model.load_pretrained(paths.global_adapter)
+@dataclass
+class ExportedAdapters:
+    """The adapters `train` exported into a run directory, read one client at a time, so that memory does not grow
+    with the clients. Clients in a row whose files are byte-identical (e.g. never-sampled clients holding the
+    initial adapter) get the same state object, which `evaluate_adapters` scores in one pass."""
+
+    session: Session
+    paths: RunPaths
+    global_state: AdapterState
+    _last: tuple[bytes | None, AdapterState] | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def open(cls, session: Session, paths: RunPaths) -> ExportedAdapters:
+        if not paths.global_adapter.is_dir():
+            raise RunError(
+                f"{paths.root} has no exported adapters yet: "
+                f"finish it with `peradapt train --out {paths.root} --resume`"
+            )
+        return cls(session, paths, session.model.load_pretrained(paths.global_adapter))
+
+    def personalized(self, client_id: int) -> AdapterState:
+        directory = self.paths.clients / str(client_id)
+        path = directory / self.session.model.weights_file
+        content = path.read_bytes() if path.is_file() else None
+        if content is None or self._last is None or self._last[0] != content:
+            self._last = (content, self.session.model.load_pretrained(directory))  # which refuses a missing one
+        return self._last[1]
+
+    def check_complete(self) -> None:
+        """Refuse a run whose client adapters are missing or unlike its global adapter (headers only: fast)."""
+        name = self.session.model.weights_file
+        expected = _tensor_shapes(self.paths.global_adapter / name)
+        for client in self.session.federated_clients:
+            path = self.paths.clients / str(client.client_id) / name
+            if not path.is_file() or _tensor_shapes(path) != expected:
+                raise RunError(
+                    f"{path} is missing or unlike the global adapter: finish the run with "
+                    f"`peradapt train --out {self.paths.root} --resume`"
+                )
+
+
+def _tensor_shapes(path: Path) -> dict[str, list[int]]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as exc:
+        raise RunError(f"cannot read {path} ({exc})") from None
 
 
 def evaluate_run(run_dir: Path) -> dict:
-    """local-test and global-test of every exported personalized adapter and of the global adapter."""
+    """local-test of every exported personalized adapter and of the global adapter, and their global-test (of a
+    sample of the personalized adapters in a large federation: see `Session.client_sample`)."""
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
-    personal, global_state = _exported_states(session, paths)
+    adapters = ExportedAdapters.open(session, paths)
     evaluation = evaluate_adapters(
         session.trainer,
-        personal.__getitem__,
-        global_state,
+        adapters.personalized,
+        adapters.global_state,
         session.federated_clients,
         session.data.global_test,
-        personalized_global_test=True,
+        global_test_clients={client.client_id for client in session.client_sample},
     )
     write_json_atomic(run_dir / "eval.json", evaluation)
     return evaluation
@@ -84,8 +126,8 @@ def evaluate_ood_run(
         raise ConfigError(
             f"{run_dir} is a multi-label run ({session.config.data.data}): the OOD sets are single-label class sets"
         )
-    personal, global_state = _exported_states(session, paths)
-    clients = sorted(personal)
+    adapters = ExportedAdapters.open(session, paths)
+    clients = [client.client_id for client in session.client_sample]
     with progress_display(console or Console(stderr=True)) as progress:
         ready = progress.add_task(f"{name}: corruption types ready", total=None)
         ood_set = load_ood(
@@ -104,8 +146,8 @@ def evaluate_ood_run(
             progress.advance(evaluated)
             return values
 
-        personal_acc = {c: accuracies(personal[c]) for c in clients}
-        global_acc = accuracies(global_state)
+        personal_acc = {c: accuracies(adapters.personalized(c)) for c in clients}
+        global_acc = accuracies(adapters.global_state)
 
     def entry(columns: list[int], **fields: object) -> dict:
         per_client = [float(np.mean([personal_acc[c][i] for i in columns])) for c in clients]
@@ -172,7 +214,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT."""
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
-    _exported_states(session, paths)  # refuses runs whose adapters are missing or do not fit
+    ExportedAdapters.open(session, paths).check_complete()
     out.mkdir(parents=True, exist_ok=True)
     for name in ("clients", "global"):
         shutil.copytree(paths.root / name, out / name, dirs_exist_ok=True)

@@ -71,7 +71,7 @@ def test_fedavg_client_update_is_plain_sgd_from_the_global_state():
     assert differs(update.upload, hand_sgd(trainer, initial, data, lr=0.1, epochs=2))
     assert differs(update.upload, hand_sgd(trainer, global_state, data, lr=0.1, epochs=1))
     assert method.personalized(4, global_state) is global_state  # no personalization
-    assert method.store.to_tensors() == {}
+    assert method.store.checkpoint_tensors() == {}
 
 
 def test_fedavg_server_update_is_the_sample_size_weighted_mean():

@@ -7,14 +7,16 @@ clients copies such a dict into the shared model; the backbone is never copied.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from timm.models.resnet import BasicBlock
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -28,6 +30,8 @@ AdapterState = dict[str, torch.Tensor]
 ADAPTER_KINDS = ("residual", "lora", "none")
 SCOPES = ("adapter", "full")
 FULL_MODEL_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 class AdaptedModel:
@@ -72,13 +76,16 @@ class AdaptedModel:
 
     @torch.no_grad()
     def load_state(self, state: AdapterState) -> None:
-        if state.keys() != self._parameters.keys() | self._buffers.keys():
-            unknown = sorted(state.keys() - self._parameters.keys() - self._buffers.keys())[:3]
-            raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
+        self._check_fits(state)
         for name, parameter in self._parameters.items():
             parameter.copy_(state[name])
         for name, buffer in self._buffers.items():
             buffer.copy_(state[name])
+
+    def _check_fits(self, state: AdapterState) -> None:
+        if state.keys() != self._parameters.keys() | self._buffers.keys():
+            unknown = sorted(state.keys() - self._parameters.keys() - self._buffers.keys())[:3]
+            raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
 
     def train(self) -> None:
         """Training mode for adapters and trainable norms; the frozen backbone's BatchNorm keeps its statistics."""
@@ -94,34 +101,62 @@ class AdaptedModel:
         # transformers models answer with a ModelOutput; everything here works on the logits alone.
         return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
 
+    @property
+    def weights_file(self) -> str:
+        """The file in a saved directory that holds the state (the rest is the same for every client)."""
+        return FULL_MODEL_FILE if self.scope == "full" else ADAPTER_WEIGHTS_FILE
+
     def save_pretrained(self, directory: Path, state: AdapterState) -> None:
-        """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained.
+        """PEFT layout: adapter_config.json + adapter_model.safetensors (+ PEFT's README.md), loadable with
+        PeftModel.from_pretrained: the files PEFT's own `save_pretrained` writes with `state` loaded, byte for byte.
 
         A whole trained network (scope `full`) is no adapter: it is saved as one safetensors file of the state.
+        An adapter's state is left loaded in the model, as when PEFT saved it from there.
         """
+        write_files(directory, self.saved_files(state))
+        if self.scope != "full":
+            self.load_state(state)
+
+    def saved_files(self, state: AdapterState) -> dict[str, bytes]:
+        """What `save_pretrained` writes for `state`: file name -> content."""
         if self.scope == "full":
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in state.items()}, str(Path(directory) / FULL_MODEL_FILE)
-            )
-            return
-        self.load_state(state)
-        self.module.save_pretrained(str(directory))
+            return {FULL_MODEL_FILE: save({k: v.detach().cpu().contiguous() for k, v in state.items()})}
+        self._check_fits(state)
+        # Only the weights differ between adapters of one model: they are renamed as PEFT saves them (no state is
+        # loaded into the model), and the other files come from one save by PEFT, whose model card alone takes
+        # ~40 ms: too long for thousands of clients.
+        weights = {saved: state[name].detach().cpu().contiguous() for name, saved in self._saved_names.items()}
+        return {**self._layout_files, ADAPTER_WEIGHTS_FILE: save(weights, metadata={"format": "pt"})}
+
+    @functools.cached_property
+    def _saved_names(self) -> dict[str, str]:
+        """State name -> name in PEFT's saved weights, for the entries PEFT saves (as `get_peft_model_state_dict`
+        picks and renames them, e.g. without the adapter name; asked once, it walks every module)."""
+        state = self.state()
+        names = {id(tensor): name for name, tensor in state.items()}
+        return {names[id(tensor)]: saved for saved, tensor in get_peft_model_state_dict(self.module, state).items()}
+
+    @functools.cached_property
+    def _layout_files(self) -> dict[str, bytes]:
+        """The files PEFT's save_pretrained writes besides the weights (adapter_config.json, README.md)."""
+        with tempfile.TemporaryDirectory() as scratch:
+            self.module.save_pretrained(scratch)
+            files = {p.name: p.read_bytes() for p in Path(scratch).iterdir() if p.name != ADAPTER_WEIGHTS_FILE}
         # PEFT writes target_modules from a set, in an order that changes with Python's hash seed; sorted, the
         # same adapter always gives the same bytes (resumed and uninterrupted runs compare equal file by file).
-        config_path = Path(directory) / "adapter_config.json"
-        config = json.loads(config_path.read_text())
+        config = json.loads(files[ADAPTER_CONFIG_FILE])
         if isinstance(config.get("target_modules"), list):
             config["target_modules"] = sorted(config["target_modules"])
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+        files[ADAPTER_CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
+        return files
 
     def load_pretrained(self, directory: Path) -> AdapterState:
         """The state of an adapter saved in PEFT layout (by `save_pretrained` or any PEFT code)."""
         if self.scope == "full":
             return self._load_full(Path(directory) / FULL_MODEL_FILE)
-        path = Path(directory) / "adapter_model.safetensors"
+        path = Path(directory) / ADAPTER_WEIGHTS_FILE
         if not path.is_file():
-            raise WeightsError(f"no adapter at {directory} (missing adapter_model.safetensors)")
+            raise WeightsError(f"no adapter at {directory} (missing {ADAPTER_WEIGHTS_FILE})")
         try:
             weights = load_file(str(path))
         except (SafetensorError, OSError) as exc:
@@ -145,6 +180,13 @@ class AdaptedModel:
             raise WeightsError(f"cannot read {path} ({exc})") from None
         self.load_state(state)
         return self.state()
+
+
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
 
 
 def inject_adapters(

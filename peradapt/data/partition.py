@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,8 +12,12 @@ import numpy as np
 
 from peradapt.errors import ConfigError, DataError
 
-# Dirichlet draws that starve a client are redrawn; past this many tries the request is hopeless in practice.
+# Dirichlet draws that starve a client (below the floor) are redrawn, up to this many times, and within a budget of
+# this many client proportions drawn in all. Up to 100 clients, 1000 starving draws mean that alpha is too small for
+# the request: an error says so. With thousands of clients nearly every draw starves someone, whatever alpha: after
+# a few draws (one at 100,000 clients) the last is kept and the starved clients get their floor from the richest.
 _MAX_DIRICHLET_TRIES = 1000
+_DIRICHLET_BUDGET = 100_000
 
 
 @dataclass(frozen=True)
@@ -86,22 +91,45 @@ def _dirichlet_parts(
 ) -> list[np.ndarray]:
     classes = np.unique(labels)
     class_sizes = np.array([np.count_nonzero(labels == label) for label in classes])
-    for _ in range(_MAX_DIRICHLET_TRIES):
+    tries = max(1, min(_MAX_DIRICHLET_TRIES, _DIRICHLET_BUDGET // num_clients))
+    for _ in range(tries):
         proportions = rng.dirichlet(np.full(num_clients, alpha), size=len(classes))
-        bounds = _split_bounds(class_sizes, proportions)
-        if np.diff(bounds, axis=1).sum(axis=0).min() >= floor:
+        counts = np.diff(_split_bounds(class_sizes, proportions), axis=1)
+        if counts.sum(axis=0).min() >= floor:
             break
     else:
-        raise DataError(
-            f"dir:{alpha} could not give each of {num_clients} clients {floor} samples in "
-            f"{_MAX_DIRICHLET_TRIES} draws: lower --clients or raise alpha"
-        )
+        if tries == _MAX_DIRICHLET_TRIES:
+            raise DataError(
+                f"dir:{alpha} could not give each of {num_clients} clients {floor} samples in "
+                f"{_MAX_DIRICHLET_TRIES} draws: lower --clients or raise alpha"
+            )
+        counts = _lift_to_floor(counts, floor)
+    bounds = np.concatenate([np.zeros((len(classes), 1), dtype=np.int64), np.cumsum(counts, axis=1)], axis=1)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for label, class_bounds in zip(classes, bounds, strict=True):
         members = rng.permutation(np.flatnonzero(labels == label))
         for client in range(num_clients):
             parts[client].append(members[class_bounds[client] : class_bounds[client + 1]])
     return [np.concatenate(part) for part in parts]
+
+
+def _lift_to_floor(counts: np.ndarray, floor: int) -> np.ndarray:
+    """Per-class, per-client sample counts with every client raised to `floor`: each missing sample moves from the
+    client with the most samples, out of its largest class (so donors keep their skew). The pool holds at least
+    `floor` samples per client, so donors never run out."""
+    counts = counts.copy()
+    totals = counts.sum(axis=0)
+    donors = [(-int(total), client) for client, total in enumerate(totals) if total > floor]
+    heapq.heapify(donors)
+    for client in np.flatnonzero(totals < floor):
+        for _ in range(floor - int(totals[client])):
+            negative_total, donor = heapq.heappop(donors)
+            label = int(counts[:, donor].argmax())
+            counts[label, donor] -= 1
+            counts[label, client] += 1
+            if -negative_total - 1 > floor:
+                heapq.heappush(donors, (negative_total + 1, donor))
+    return counts
 
 
 def _split_bounds(class_sizes: np.ndarray, proportions: np.ndarray) -> np.ndarray:

@@ -2,19 +2,27 @@
 
 `train` runs a federation from a config into a run directory; `--resume` continues from the newest checkpoint
 and, because every random draw is derived from (seed, round, client, phase), ends with exactly the numbers an
-uninterrupted run gives.
+uninterrupted run gives. The client store (memory or disk, `--client-store`) is restored to that checkpoint and
+committed after each one, so clients' private state always matches the checkpoint's round (see `store`).
+
+Nothing in the loop grows with the number of clients M beyond the data: one model serves every client, a disk
+store holds the states, and in federations of more than CLIENT_SAMPLE clients the evaluations that cost a state
+or a large pass per client use the session's seeded `client_sample`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
 
+from peradapt.adapters.model import write_files
 from peradapt.config import TrainConfig
+from peradapt.data import ClientData
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import evaluate_adapters, summarize, summary
 from peradapt.federation.checkpoint import (
@@ -61,12 +69,14 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     config.out = str(run_dir)
     paths = RunPaths(run_dir)
     if resume:
-        session = build_session(config, read_partition(run_dir))
+        # Resume keeps the run's store; runs from before the disk store kept client state in their checkpoints.
+        store = read_run_config(run_dir)[1].get("client_store", "memory")
+        session = build_session(config, read_partition(run_dir), client_store=_store_directory(store, paths))
         checkpoint = load_latest_checkpoint(paths.checkpoints)
     else:
         if paths.config.exists():
             raise RunError(f"{run_dir} already holds a run: pass --resume to continue it, or --out DIR for a new one")
-        session = build_session(config)
+        session = build_session(config, client_store=_store_directory(config.federation.store_kind(), paths))
         checkpoint = None
     console.print(f"backbone weights: {session.backbone.source}")
     lam_auto = _choose_lam(session, run_dir, resume, console)
@@ -77,20 +87,24 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
     write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
 
-    global_state, history = session.initial, []
+    global_state, history, tensors = session.initial, [], {}
     if checkpoint is not None:
         tensors, meta = checkpoint
         global_state = {
             k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)
         }
-        session.store.load_tensors(tensors, session.device)
         history = meta["metrics"]
+    session.store.restore(tensors, len(history))
     start = len(history)
     if start:
         console.print(f"resuming {run_dir} after round {start}")
 
     global_state = _run_rounds(session, global_state, history, paths, console)
     return _finish(session, global_state, paths, console)
+
+
+def _store_directory(kind: str, paths: RunPaths) -> Path | None:
+    return paths.client_store if kind == "disk" else None
 
 
 def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> dict | None:
@@ -107,9 +121,17 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
     if resume:  # config.lam already holds the saved choice
         return read_run_config(run_dir)[1].get("lam_auto")
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
-    seed, clients = session.config.seed, session.federated_clients
+    seed, trainer = session.config.seed, session.trainer
     with torch.random.fork_rng():  # the rounds see the global RNG they would see without the warm-up
-        record = estimate_lam(session.trainer, session.initial, clients, lr=config.lr, seed=seed, lam_max=lam_max)
+        record = estimate_lam(
+            trainer,
+            session.initial,
+            session.client_sample,  # a warm-up state per client, held together: a sample in large federations
+            lr=config.lr,
+            seed=seed,
+            lam_max=lam_max,
+            num_clients=len(session.federated_clients),
+        )
     config.lam = record["lam"]  # the method's config is this same object
     console.print(
         f"--lam auto: H_hat={record['h_hat']:.4g} (n={record['n']:.4g}), regime {record['regime']}, "
@@ -144,7 +166,7 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
-                record.update(summarize(_evaluate(session, global_state, personalized_global_test=False)))
+                record.update(summarize(_evaluate(session, global_state, session.client_sample)))
             history.append(record)
             _save_round(session, global_state, history, paths)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
@@ -153,15 +175,15 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
     return global_state
 
 
-def _evaluate(session: Session, global_state: dict, **options) -> dict:
-    """Every client's personalized adapter and the global adapter on the clients' test data."""
-    method, data = session.method, session.data
+def _evaluate(session: Session, global_state: dict, clients: list[ClientData], **options) -> dict:
+    """The clients' personalized adapters and the global adapter on the clients' test data."""
+    method = session.method
     return evaluate_adapters(
         session.trainer,
         lambda c: method.personalized(c, global_state),
         global_state,
-        session.federated_clients,
-        data.global_test,
+        clients,
+        session.data.global_test,
         **options,
     )
 
@@ -182,37 +204,56 @@ def _round_description(record: dict) -> str:
 
 def _save_round(session: Session, global_state: dict, history: list, paths: RunPaths) -> None:
     tensors = {GLOBAL_PREFIX + name: tensor for name, tensor in global_state.items()}
-    tensors.update(session.store.to_tensors())
+    tensors.update(session.store.checkpoint_tensors())
     write_text_atomic(paths.metrics, "".join(json.dumps(record) + "\n" for record in history))
     save_checkpoint(paths.checkpoints, len(history), tensors, {"metrics": history})
+    session.store.commit(len(history))
 
 
 def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console) -> dict:
+    clients = session.federated_clients
     with progress_display(console) as progress:
-        bar = progress.add_task("final evaluation", total=len(session.federated_clients))
+        evaluated = progress.add_task("final evaluation", total=len(clients))
         evaluation = _evaluate(
-            session, global_state, personalized_global_test=True, on_client=lambda: progress.advance(bar)
+            session,
+            global_state,
+            clients,
+            global_test_clients={c.client_id for c in session.client_sample},
+            on_client=lambda: progress.advance(evaluated),
         )
-    export_adapters(session, global_state, paths.root)
+        exported = progress.add_task("adapters exported", total=len(clients) + 1)
+        export_adapters(session, global_state, paths.root, on_adapter=lambda: progress.advance(exported))
     report = build_report(session, evaluation)
     write_json_atomic(paths.report, report)
     return report
 
 
-def export_adapters(session: Session, global_state: dict, directory: Path) -> None:
-    """Every federated client's personalized adapter and the global adapter, in PEFT layout."""
+def export_adapters(
+    session: Session, global_state: dict, directory: Path, on_adapter: Callable[[], None] = lambda: None
+) -> None:
+    """Every federated client's personalized adapter and the global adapter, in PEFT layout.
+
+    Clients in a row with the same state object (e.g. never-sampled ones: the initial adapter) share one
+    serialization: with many clients, writing files is then all that is left to do for most of them.
+    """
+    model, shared, files = session.model, None, {}
     for client in session.federated_clients:
         state = session.method.personalized(client.client_id, global_state)
-        session.model.save_pretrained(directory / "clients" / str(client.client_id), state)
-    session.model.save_pretrained(directory / "global", global_state)
+        if state is not shared:
+            shared, files = state, model.saved_files(state)
+        write_files(directory / "clients" / str(client.client_id), files)
+        on_adapter()
+    model.save_pretrained(directory / "global", global_state)
+    on_adapter()
 
 
 def build_report(session: Session, evaluation: dict) -> dict:
-    def with_stats(values: list[float]) -> dict:
-        return {**summary(values), "per_client": values}
+    def with_stats(values: list[float], **clients: list[int]) -> dict:
+        return {**summary(values), "per_client": values, **clients}
 
     config = session.config
     held_out = {"held_out_clients": [c.client_id for c in session.held_out_clients]} if session.held_out_clients else {}
+    sampled = {"clients": evaluation["global_test_clients"]} if "global_test_clients" in evaluation else {}
     return {
         "method": config.method.method,
         "data": config.data.data,
@@ -220,7 +261,11 @@ def build_report(session: Session, evaluation: dict) -> dict:
         "rounds": config.federation.rounds,
         "seed": config.seed,
         "clients": evaluation["clients"],
-        "personalized": {split: with_stats(v) for split, v in evaluation["personalized"].items()},
+        "personalized": {
+            "local_test": with_stats(evaluation["personalized"]["local_test"]),
+            # a large federation scores a sample of personalized adapters on the global test set: which ones
+            "global_test": with_stats(evaluation["personalized"]["global_test"], **sampled),
+        },
         "global": {
             "local_test": with_stats(evaluation["global"]["local_test"]),
             "global_test": evaluation["global"]["global_test"],

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.data import ImageSet, iterate_minibatches, random_crop_flip, to_model_input
 from peradapt.errors import TrainingDiverged
-from peradapt.evaluation.metrics import mean_auc
+from peradapt.evaluation.metrics import metric_value
 
 
 @dataclass
@@ -134,7 +134,4 @@ class LocalTrainer:
         assert data.labels is not None
         if len(data) == 0:
             return float("nan")
-        logits = self.logits(state, data).cpu()
-        if data.multilabel:
-            return mean_auc(logits, data.labels)
-        return (logits.argmax(dim=1) == data.labels).float().mean().item()
+        return metric_value(self.logits(state, data).cpu(), data.labels)

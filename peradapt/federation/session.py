@@ -12,6 +12,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
@@ -21,10 +22,14 @@ from peradapt.data import ClientData, FederatedData, build_federation
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, RunError
 from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.store import ClientStore
+from peradapt.federation.seeds import EVALUATION, derive_seed
+from peradapt.federation.store import ClientStore, DiskClientStore
 from peradapt.personalize import Method, MethodContext, build_method, method_class
 
 AUGMENTED_DATASETS = ("cifar10", "cifar100")  # the paper trains CIFAR with random crop + flip
+# Beyond this many clients, what costs a pass over a large set per client (personalized global-test, OOD sets) or a
+# state per client held at once (--lam auto) goes through a seeded sample of this many, as do --eval-every rounds.
+CLIENT_SAMPLE = 100
 
 
 @dataclass
@@ -59,6 +64,10 @@ class RunPaths:
     def global_adapter(self) -> Path:
         return self.root / "global"
 
+    @property
+    def client_store(self) -> Path:
+        return self.root / "client_store"
+
 
 @dataclass
 class Session:
@@ -84,12 +93,22 @@ class Session:
         """The last --holdout-clients clients: never trained nor exported by `train`, kept for `personalize`."""
         return self.data.clients[len(self.federated_clients) :]
 
+    @property
+    def client_sample(self) -> list[ClientData]:
+        """Every federated client, or beyond CLIENT_SAMPLE of them that many, drawn from --seed (always the same)."""
+        clients = self.federated_clients
+        if len(clients) <= CLIENT_SAMPLE:
+            return clients
+        rng = np.random.default_rng(derive_seed(self.config.seed, EVALUATION))
+        return [clients[i] for i in sorted(rng.choice(len(clients), size=CLIENT_SAMPLE, replace=False))]
+
     def resolved(self) -> dict:
         """What the flags resolved to on this machine, written beside the config."""
         packages = ("peradapt", "torch", "timm", "peft", "numpy")
         return {
             "adapter": self.adapter_kind,
             "scope": self.model.scope,
+            "client_store": self.store.kind,
             "parameter_counts": self.method.parameter_counts(),
             "weights": self.backbone.source,
             "device": str(self.device),
@@ -117,7 +136,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_session(config: TrainConfig, saved_partition: dict | None = None) -> Session:
+def build_session(
+    config: TrainConfig, saved_partition: dict | None = None, *, client_store: Path | None = None
+) -> Session:
+    """Data, model, trainer and method of `config`; `saved_partition` reuses a run's partition.json, and clients'
+    private state goes to a `DiskClientStore` in the directory `client_store` (None: in memory)."""
     config.validate()
     method_cls = method_class(config.method.method)
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
@@ -164,7 +187,7 @@ def build_session(config: TrainConfig, saved_partition: dict | None = None) -> S
     distiller = None
     if method_cls.uses_distillation:
         distiller = Distiller(trainer, data.kd, data.val, config.distill)
-    store = ClientStore()
+    store = ClientStore(device) if client_store is None else DiskClientStore(client_store, device)
     initial = model.state()
     context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed)
     method = build_method(config.method.method, context)

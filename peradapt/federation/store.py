@@ -1,18 +1,50 @@
-"""Per-client private state that persists across rounds (e.g. PerAda's personalized adapters)."""
+"""Per-client private state that persists across rounds (e.g. PerAda's personalized adapters).
+
+Methods `get` and `put` a client's state by (client id, name); a client never sampled has none, and methods fall
+back to the initial state. The engine makes the store consistent with its round checkpoints through three calls:
+`checkpoint_tensors` (what the checkpoint must carry), `commit` (the checkpoint after round R is on disk) and
+`restore` (start from the checkpoint after round R, or from nothing at R = 0).
+
+`ClientStore` keeps every state in memory and in every checkpoint: right for small federations, whose run
+directory then holds nothing else. `DiskClientStore` keeps one safetensors file per (client, name) under
+`RUN/client_store/`, so memory holds only the states of the clients being trained or evaluated, and a checkpoint
+holds only the global adapter: its cost per round does not grow with the number of clients.
+
+Crash consistency of the disk store: files are versioned by round, and the checkpoint's round says which version
+is current. A `put` during round r writes `<client>.<name>.r<r>.safetensors` (to a temporary file, then
+`os.replace`: a reader sees the old file or the new one, never half of one). The version it supersedes stays until
+the checkpoint after round r is written; `commit(r)` deletes it then. `restore(R)` deletes every version newer than
+R (a round the checkpoint never recorded), every version but the newest of each state (a commit cut short) and
+every other file (temporary files of interrupted writes: the directory belongs to the store). So after a crash or
+`kill -9` anywhere, a resumed run sees exactly the states of its checkpoint, replays the lost round with the same
+seeds, rewrites the same files, and ends with the files an uninterrupted run writes. Like the checkpoints, nothing
+is fsynced: this protects against a killed process, not a lost disk cache.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+from typing import ClassVar
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from peradapt.adapters import AdapterState, state_to, state_to_cpu
 
 _SEPARATOR = "/"
+_DISK_FILE = re.compile(r"(?P<client>\d+)\.(?P<key>\w+)\.r(?P<round>\d+)\.safetensors")
+_TEMPORARY = ".tmp"
 
 
 class ClientStore:
-    """Client states in memory, keyed by (client id, name), e.g. (3, "personal")."""
+    """Client states in memory, keyed by (client id, name), e.g. (3, "personal"); checkpoints carry them all."""
 
-    def __init__(self) -> None:
+    kind: ClassVar[str] = "memory"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._states: dict[tuple[int, str], AdapterState] = {}
 
     def get(self, client_id: int, key: str) -> AdapterState | None:
@@ -21,20 +53,93 @@ class ClientStore:
     def put(self, client_id: int, key: str, state: AdapterState) -> None:
         self._states[(client_id, key)] = state
 
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat `clients/<id>/<key>/<tensor name>` dict, for checkpoints."""
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat `clients/<id>/<key>/<tensor name>` dict: what a round checkpoint needs to restore the store."""
         flat = {}
         for (client_id, key), state in self._states.items():
             for name, tensor in state_to_cpu(state).items():
                 flat[_SEPARATOR.join(("clients", str(client_id), key, name))] = tensor
         return flat
 
-    def load_tensors(self, flat: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Restore from a checkpoint's tensors, ignoring those that are not client state (e.g. `global/...`)."""
+    def restore(self, tensors: dict[str, torch.Tensor], completed_rounds: int) -> None:
+        """The states of the checkpoint after `completed_rounds` rounds, from its tensors (others, such as
+        `global/...`, are ignored); no tensors and round 0 for a run that starts afresh."""
         grouped: dict[tuple[int, str], AdapterState] = {}
         prefix = "clients" + _SEPARATOR
-        for full_name, tensor in flat.items():
+        for full_name, tensor in tensors.items():
             if full_name.startswith(prefix):
                 client_id, key, name = full_name[len(prefix) :].split(_SEPARATOR, 2)
                 grouped.setdefault((int(client_id), key), {})[name] = tensor
-        self._states = {slot: state_to(state, device) for slot, state in grouped.items()}
+        self._states = {slot: state_to(state, self.device) for slot, state in grouped.items()}
+
+    def commit(self, completed_rounds: int) -> None:
+        """The checkpoint after `completed_rounds` rounds is written (it holds every state already)."""
+
+
+class DiskClientStore(ClientStore):
+    """One safetensors file per (client, name) and round version under `directory`; see the module docstring."""
+
+    kind: ClassVar[str] = "disk"
+
+    def __init__(self, directory: Path, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self.directory = Path(directory)
+        self._round = 1  # the round being played: the version that `put` writes
+        self._current: dict[tuple[int, str], int] = {}  # the version `get` reads: an int per state, no tensors
+        self._superseded: list[Path] = []  # deleted once the checkpoint of the round being played is written
+
+    def path(self, client_id: int, key: str, version: int) -> Path:
+        return self.directory / f"{client_id}.{key}.r{version:05d}.safetensors"
+
+    def get(self, client_id: int, key: str) -> AdapterState | None:
+        version = self._current.get((client_id, key))
+        if version is None:
+            return None
+        return load_file(str(self.path(client_id, key, version)), device=str(self.device))
+
+    def put(self, client_id: int, key: str, state: AdapterState) -> None:
+        if not re.fullmatch(r"\w+", key):
+            raise ValueError(f"client state names are letters, digits and _, got {key!r}")
+        slot = (client_id, key)
+        path = self.path(client_id, key, self._round)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(_TEMPORARY)
+        save_file(state_to_cpu(state), str(temporary))
+        os.replace(temporary, path)
+        previous = self._current.get(slot)
+        if previous is not None and previous != self._round:
+            self._superseded.append(self.path(client_id, key, previous))
+        self._current[slot] = self._round
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {}  # the files are the state; the checkpoint's round says which versions count
+
+    def restore(self, tensors: dict[str, torch.Tensor], completed_rounds: int) -> None:
+        """Make the directory hold exactly the versions current after round `completed_rounds`."""
+        self._round, self._current, self._superseded = completed_rounds + 1, {}, []
+        if not self.directory.is_dir():
+            return
+        versions: dict[tuple[int, str], list[int]] = {}
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                match = _DISK_FILE.fullmatch(entry.name)
+                if match is None:  # a write that a crash interrupted: ours (*.tmp), or the serializer's own
+                    os.unlink(entry.path)
+                    continue
+                version = int(match["round"])
+                if version > completed_rounds:  # written in a round that no checkpoint recorded
+                    os.unlink(entry.path)
+                else:
+                    versions.setdefault((int(match["client"]), match["key"]), []).append(version)
+        for (client_id, key), found in versions.items():
+            newest = max(found)
+            self._current[(client_id, key)] = newest
+            for version in found:
+                if version != newest:  # superseded: its round's commit was cut short
+                    self.path(client_id, key, version).unlink()
+
+    def commit(self, completed_rounds: int) -> None:
+        for path in self._superseded:
+            path.unlink(missing_ok=True)
+        self._superseded = []
+        self._round = completed_rounds + 1

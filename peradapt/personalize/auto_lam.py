@@ -97,11 +97,17 @@ def estimate_lam(
     lr: float,
     seed: int,
     lam_max: float = math.inf,
+    num_clients: int | None = None,
 ) -> dict:
-    """Warm up every client, estimate H and choose λ; a record for the run's config (and its log line)."""
+    """Warm up every client, estimate H and choose λ; a record for the run's config (and its log line).
+
+    `clients` may be a random sample of a federation of `num_clients` clients (H and n are means over clients, so
+    the sample estimates them; m is the federation's size). Default: `clients` is the whole federation.
+    """
     states = warmup_states(trainer, start, clients, lr=lr, seed=seed)
     sizes = [len(client.train) for client in clients]
     h_hat = heterogeneity(states, sizes, trainer.model.trainable_parameters().keys())
     n = sum(sizes) / len(clients)
-    choice = choose_lam(h_hat, n, len(clients), lam_max=lam_max)
-    return {"h_hat": h_hat, "n": n, "m": len(clients), "rho": RHO, **choice._asdict()}
+    m = num_clients or len(clients)
+    choice = choose_lam(h_hat, n, m, lam_max=lam_max)
+    return {"h_hat": h_hat, "n": n, "m": m, "rho": RHO, **choice._asdict()}
