@@ -218,13 +218,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("clients", "global"):
         shutil.copytree(paths.root / name, out / name, dirs_exist_ok=True)
-    # The base model's own tensors, under timm's names: PEFT keeps them as `base_layer` / `original_module`.
-    wrapped = session.model.module.get_base_model().state_dict()
-    plain = {
-        k.replace(".original_module", "").replace(".base_layer", ""): v
-        for k, v in wrapped.items()
-        if "lora_" not in k and "modules_to_save" not in k
-    }
+    plain = session.model.backbone_state()
     info = BackboneInfo(
         session.config.backbone.backbone,
         session.data.channels,
@@ -239,7 +233,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     # A transformers model directory (config with the task's classes and channels + weights): from_pretrained
     # loads it, and `--backbone hf:OUT/backbone` trains on it again. Its description is OUT/backbone.json, as for timm.
     directory = out / "backbone"
-    session.model.module.get_base_model().config.save_pretrained(str(directory))
+    session.model.base_model.config.save_pretrained(str(directory))
     tensors = {k: v.detach().cpu().contiguous() for k, v in plain.items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     info.save(directory)  # writes directory.with_suffix(".json")

@@ -9,6 +9,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
@@ -18,7 +19,9 @@ from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.store import ClientStore
 from peradapt.personalize import METHODS, ClientUpdate, MethodContext
 from peradapt.personalize.base import PERSONAL_KEY
+from peradapt.runs import open_run
 
+from .conftest import TINY_BACKBONE
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed
 
@@ -316,3 +319,22 @@ def test_one_round_on_the_command_line(name, extra, tmp_path, fmnist_dir, capsys
     assert resolved["adapter"] == ("residual" if extra else "none")
     counts = resolved["parameter_counts"]
     assert counts["personalized"] + counts["communicated"] == counts["trained"] == resolved["trainable_parameters"]
+    if not extra:  # a plain network (`--adapter none`): exported as the backbone and a weights file per client
+        export_loads_in_plain_timm(run, tmp_path / "exported", capsys, monkeypatch)
+
+
+def export_loads_in_plain_timm(run, out, capsys, monkeypatch):
+    """`export` of a full-network run: the backbone file overlaid with a client's model.safetensors, loaded into a
+    plain timm model, gives the logits peradapt gives for that client."""
+    code, _, err = run_cli(["export", "--run", str(run), "--out", str(out)], capsys, monkeypatch)
+    assert code == 0, err
+    network = timm.create_model(TINY_BACKBONE, num_classes=10, in_chans=1)
+    network.load_state_dict(load_file(str(out / "backbone.safetensors")))
+    client_weights = load_file(str(out / "clients" / "1" / "model.safetensors"))
+    assert not network.load_state_dict(client_weights, strict=False).unexpected_keys
+    session = open_run(run)
+    test = session.data.clients[1].test.subset(torch.arange(8))
+    expected = session.trainer.logits(session.model.load_pretrained(run / "clients" / "1"), test)
+    with torch.no_grad():
+        actual = network.eval()(session.trainer.inputs(test.images))
+    assert_close(actual, expected, atol=1e-5, rtol=1e-5)

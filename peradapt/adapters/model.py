@@ -63,12 +63,23 @@ class AdaptedModel:
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self._parameters.values())
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The network without PEFT's wrapper (itself when no adapter is injected: `--adapter none`)."""
+        return self.module.get_base_model() if isinstance(self.module, PeftModel) else self.module
+
+    def backbone_state(self) -> dict[str, torch.Tensor]:
+        """The base network's own tensors under its own names (PEFT keeps them as `base_layer` / `original_module`
+        beside its LoRA factors and trainable copies, which are left out)."""
+        return {
+            name.replace(".original_module", "").replace(".base_layer", ""): tensor
+            for name, tensor in self.base_model.state_dict().items()
+            if not _is_peft_copy(name)
+        }
+
     def num_backbone(self) -> int:
         """Parameters of the model a user would run without adapters (PEFT's saved copies excluded)."""
-        if not isinstance(self.module, PeftModel):
-            return sum(p.numel() for p in self.module.parameters())
-        base = self.module.get_base_model()
-        return sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
+        return sum(p.numel() for n, p in self.base_model.named_parameters() if not _is_peft_copy(n))
 
     def state(self) -> AdapterState:
         tensors = {**self._parameters, **self._buffers}
@@ -180,6 +191,11 @@ class AdaptedModel:
             raise WeightsError(f"cannot read {path} ({exc})") from None
         self.load_state(state)
         return self.state()
+
+
+def _is_peft_copy(name: str) -> bool:
+    """Whether a base-model tensor is PEFT's (a LoRA factor or a head's trainable copy), not the backbone's own."""
+    return "lora_" in name or "modules_to_save" in name
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:
