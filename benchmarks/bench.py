@@ -1,0 +1,562 @@
+"""peradapt's speed, memory and scale against the reference PerAda design (issue 6): docs/BENCHMARKS.md.
+
+    python benchmarks/bench.py --quick --json bench.json   # under 5 minutes on 2 CPU cores
+    python benchmarks/bench.py --json bench.json           # the paper's model and batch, longer phases
+
+Every figure is a ratio of two things run interleaved in this one process, with `torch.set_num_threads` fixed and
+the order of the two alternating between repetitions, so that other work on the machine slows both alike; the
+median over the repetitions is reported. The scale figures compare two fresh processes, one per federation size,
+each measuring its own peak RSS and round times.
+
+The reference baselines (two model copies per client, teachers recomputed at every distillation step, a bare
+training loop) are written here from the issue's description of the reference code, not taken from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
+from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
+from peradapt.config import DistillConfig, MethodConfig
+from peradapt.data import ClientData, ImageSet
+from peradapt.distill import Distiller, ensemble_logits
+from peradapt.federation.local import InputPipeline, LocalTrainer
+from peradapt.federation.seeds import SERVER, derive_seed
+from peradapt.federation.store import ClientStore
+from peradapt.personalize import MethodContext, build_method
+
+CLASSES = 10
+CHANNELS = 3
+MEAN, STD = (0.5,) * CHANNELS, (0.25,) * CHANNELS
+LAM, LR, DROPOUT = 1.0, 0.01, 0.3  # the paper's λ, client learning rate and adapter dropout
+GOALS = {  # (key, goal, whether bigger is better)
+    "adapter_step_vs_inference": (0.40, True),
+    "state_ratio": (15.0, True),
+    "kd_cached_speedup": (5.0, True),
+    "engine_overhead": (1.15, False),
+    "scale_rss_ratio": (1.2, False),
+    "scale_time_ratio": (1.2, False),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    backbone: str = "resnet18"  # the paper's CIFAR-10 model, at its 32 px input and batch 64
+    image_size: int = 32
+    batch_size: int = 64
+    threads: int = 1  # see --threads
+    repeats: int = 15  # adapter step against inference
+    step_batches: int = 4  # minibatches per timed call of LocalTrainer.sgd
+    kd_teachers: int = 8  # the paper's 8 sampled clients per round
+    kd_images: int = 512
+    kd_batch_size: int = 128
+    kd_steps: int = 80  # 20 passes over the distillation images, as the paper's 500 steps x 2048 over 50k
+    kd_val_images: int = 256  # half the distillation images, as Fashion-MNIST's validation and KD splits
+    kd_repeats: int = 3
+    round_clients: int = 8
+    client_images: int = 128
+    round_epochs: int = 2  # local and personal epochs of a round
+    round_repeats: int = 5
+    scale_backbone: str = "resnet10_w4"
+    scale_small: int = 100
+    scale_large: int = 10_000
+    scale_per_round: int = 8
+    scale_client_images: int = 2  # Fashion-MNIST's client pool (25,000 images) has 2 for each of 10,000 clients
+    scale_rounds: int = 6
+    scale_repeats: int = 3
+    quick: bool = False
+
+
+QUICK = Settings(
+    repeats=7,
+    kd_images=128,
+    kd_val_images=64,
+    kd_batch_size=64,
+    kd_steps=10,  # 5 passes: the least the issue allows
+    kd_repeats=3,
+    client_images=64,
+    round_epochs=1,
+    round_repeats=3,
+    scale_repeats=2,
+    quick=True,
+)
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def interleaved(candidates: dict[str, Callable[[], object]], repeats: int, warm_up: bool = True) -> dict[str, list]:
+    """Seconds per call of each candidate, `repeats` times; each repetition starts with the next candidate, so a
+    slow phase of the machine falls on all of them alike."""
+    names = list(candidates)
+    if warm_up:  # first calls pay for allocations and oneDNN kernel selection
+        for name in names:
+            candidates[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repetition in range(repeats):
+        shift = repetition % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            candidates[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def random_images(count: int, settings: Settings, seed: int, labeled: bool = True) -> ImageSet:
+    generator = torch.Generator().manual_seed(seed)
+    size = settings.image_size
+    images = torch.randint(0, 256, (count, CHANNELS, size, size), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, CLASSES, (count,), generator=generator) if labeled else None
+    return ImageSet(images, labels, CLASSES)
+
+
+def adapted_trainer(settings: Settings, batch_size: int | None = None) -> LocalTrainer:
+    """PerAda's model: the frozen backbone with residual adapters (random weights: speed does not depend on them)."""
+    torch.manual_seed(0)
+    backbone = freeze(create_backbone(settings.backbone, CLASSES, CHANNELS))
+    model = inject_adapters(backbone, "residual", dropout=DROPOUT, lora_rank=8)
+    pipeline = InputPipeline(MEAN, STD, torch.device("cpu"))
+    return LocalTrainer(model, pipeline, batch_size or settings.batch_size)
+
+
+def perturbed(model: AdaptedModel, seed: int, scale: float = 0.05) -> AdapterState:
+    generator = torch.Generator().manual_seed(seed)
+    state = model.state()
+    for name in model.trainable_parameters():
+        state[name] = state[name] + scale * torch.randn(state[name].shape, generator=generator)
+    return state
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------- adapter step against inference
+
+
+def adapter_step_vs_inference(settings: Settings) -> dict:
+    """PerAda's personalized step (LocalTrainer.sgd with an anchor: forward, loss, proximal term, backward, SGD
+    step) against inference of the plain backbone, without adapters, on batches of the same size."""
+    trainer = adapted_trainer(settings)
+    images = settings.batch_size * settings.step_batches
+    data = random_images(images, settings, seed=1)
+    start, anchor = trainer.model.state(), perturbed(trainer.model, seed=2)
+    plain = freeze(create_backbone(settings.backbone, CLASSES, CHANNELS)).eval()
+    batches = [trainer.inputs(chunk) for chunk in data.images.split(settings.batch_size)]
+    contiguous = [batch.contiguous() for batch in batches]
+
+    def step() -> None:
+        trainer.sgd(start, data, epochs=1, lr=LR, seed=0, anchor=anchor, lam=LAM)
+
+    def inference(inputs: list[torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                for batch in inputs:
+                    plain(batch)
+
+        return run
+
+    def forward_backward() -> None:
+        """The issue's bound: one forward and one input-gradient backward of the plain backbone."""
+        for batch in batches:
+            plain(batch.requires_grad_()).sum().backward()
+
+    candidates = {
+        "step": step,
+        "inference_channels_last": inference(batches),
+        "inference_contiguous": inference(contiguous),
+        "forward_backward": forward_backward,
+    }
+    times = interleaved(candidates, settings.repeats)
+    # The faster memory layout of inference in each repetition: the baseline is the best the backbone does.
+    best = [min(pair) for pair in zip(times["inference_channels_last"], times["inference_contiguous"], strict=True)]
+    return {
+        "adapter_step_vs_inference": median_ratio(best, times["step"]),
+        "forward_backward_vs_inference": median_ratio(best, times["forward_backward"]),
+        "adapter_step_images_per_s": images / statistics.median(times["step"]),
+        "inference_images_per_s": images / statistics.median(best),
+        "inference_contiguous_images_per_s": images / statistics.median(times["inference_contiguous"]),
+        "inference_channels_last_images_per_s": images / statistics.median(times["inference_channels_last"]),
+    }
+
+
+# ---------------------------------------------------------------- per-client state
+
+
+def state_ratio(settings: Settings) -> dict:
+    """Bytes per client: two full models (the reference's personalized and local copies) against what peradapt's
+    client store holds for a PerAda client after its first round."""
+    full = create_backbone("resnet18", CLASSES, CHANNELS)  # the issue's model, whatever --quick says
+    reference = 2 * nbytes(full.state_dict())
+    tiny = replace(settings, backbone="resnet18", batch_size=8)
+    trainer = adapted_trainer(tiny)
+    store = ClientStore()
+    config = MethodConfig(method="perada-nokd", local_epochs=1, personal_epochs=1, lr=LR, batch_size=8)
+    initial = trainer.model.state()
+    method = build_method("perada-nokd", MethodContext(config, trainer, store, initial, None))
+    data = random_images(16, tiny, seed=3)
+    indices = np.arange(len(data))
+    method.client_update(ClientData(0, data, data, indices, indices), initial, seed=0)
+    held = nbytes(store.checkpoint_tensors())  # one client: everything the store holds
+    return {
+        "state_ratio": reference / held,
+        "reference_bytes_per_client": reference,
+        "peradapt_bytes_per_client": held,
+    }
+
+
+# ---------------------------------------------------------------- cached teacher logits
+
+
+@dataclass
+class RecomputedTeachers:
+    """Teacher logits as the reference gets them: every teacher, a model of its own, run on each step's batch.
+
+    `Distiller.distill` indexes its teacher logits with the step's image indices; this answers that indexing by
+    running the teachers, so the two phases differ in nothing but the caching."""
+
+    teachers: list[AdaptedModel]
+    images: torch.Tensor
+    pipeline: InputPipeline
+
+    @property
+    def device(self) -> torch.device:
+        return self.images.device
+
+    @torch.no_grad()
+    def __getitem__(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs = self.pipeline(self.images[batch])
+        return torch.stack([teacher(inputs) for teacher in self.teachers]).mean(dim=0)
+
+
+def kd_cached_speedup(settings: Settings) -> dict:
+    """A distillation phase (PerAda's server: 8 teachers, R Adam steps) with teachers recomputed at every step
+    against peradapt's, which computes their mean logits once per round (`ensemble_logits`)."""
+    trainer = adapted_trainer(settings, settings.kd_batch_size)
+    model = trainer.model
+    teacher_states = [perturbed(model, seed=10 + t) for t in range(settings.kd_teachers)]
+    student = {k: v.clone() for k, v in teacher_states[0].items()}
+    kd_data = random_images(settings.kd_images, settings, seed=4, labeled=False)
+    val_data = random_images(settings.kd_val_images, settings, seed=5)
+    config = DistillConfig(kd_steps=settings.kd_steps, kd_batch_size=settings.kd_batch_size)
+    distiller = Distiller(trainer, kd_data, val_data, config)
+    teachers = []  # the reference keeps a whole model per teacher
+    for state in teacher_states:
+        model.load_state(state)
+        teacher = copy.deepcopy(model)
+        teacher.eval()
+        teachers.append(teacher)
+    recomputed = RecomputedTeachers(teachers, kd_data.images, trainer.inputs)
+
+    teacher_seconds = []
+
+    def cached() -> None:
+        start = time.perf_counter()
+        logits = ensemble_logits(trainer, teacher_states, kd_data)
+        teacher_seconds.append(time.perf_counter() - start)
+        distiller.distill(student, logits, seed=0)
+
+    def recomputing() -> None:
+        distiller.distill(student, recomputed, seed=0)  # type: ignore[arg-type]
+
+    # Each phase is long (seconds): its own first repetition is warm-up enough.
+    times = interleaved({"cached": cached, "recomputed": recomputing}, settings.kd_repeats, warm_up=False)
+    passes = settings.kd_steps * settings.kd_batch_size / settings.kd_images
+    return {
+        "kd_cached_speedup": median_ratio(times["recomputed"], times["cached"]),
+        "kd_cached_s": statistics.median(times["cached"]),
+        "kd_cached_teachers_s": statistics.median(teacher_seconds),
+        "kd_recomputed_s": statistics.median(times["recomputed"]),
+        "kd_passes_over_data": passes,
+    }
+
+
+# ---------------------------------------------------------------- engine overhead
+
+
+def engine_overhead(settings: Settings) -> dict:
+    """One PerAda round without distillation through peradapt's method code (`client_update` for every sampled
+    client, then `server_update`) against a bare PyTorch loop doing the same SGD steps on the same data."""
+    trainer = adapted_trainer(settings)
+    model = trainer.model
+    initial = model.state()
+    clients = []
+    for client_id in range(settings.round_clients):
+        data = random_images(settings.client_images, settings, seed=100 + client_id)
+        indices = np.arange(len(data))
+        clients.append(ClientData(client_id, data, data, indices, indices))
+    config = MethodConfig(
+        method="perada-nokd",
+        local_epochs=settings.round_epochs,
+        personal_epochs=settings.round_epochs,
+        lam=LAM,
+        lr=LR,
+        batch_size=settings.batch_size,
+    )
+    method = build_method("perada-nokd", MethodContext(config, trainer, ClientStore(), initial, None))
+
+    def peradapt_round() -> None:
+        updates = [method.client_update(c, initial, derive_seed(0, 0, c.client_id)) for c in clients]
+        method.server_update(initial, updates, derive_seed(0, 0, SERVER))
+
+    bare = BareLoop(model, clients, trainer.inputs, settings)
+    times = interleaved({"peradapt": peradapt_round, "bare": lambda: bare.round(initial)}, settings.round_repeats)
+    steps = len(clients) * 2 * settings.round_epochs * -(-settings.client_images // settings.batch_size)
+    return {
+        "engine_overhead": median_ratio(times["peradapt"], times["bare"]),
+        "round_s": statistics.median(times["peradapt"]),
+        "bare_round_s": statistics.median(times["bare"]),
+        "round_sgd_steps": steps,
+    }
+
+
+class BareLoop:
+    """The hand-written loop: normalized images held as float tensors, a list of tensors per client state, plain
+    torch.optim.SGD; only what the round needs, no seeds per phase, no store, no checks."""
+
+    def __init__(self, model: AdaptedModel, clients: list[ClientData], pipeline: InputPipeline, settings: Settings):
+        self.model = model
+        named = model.module.state_dict(keep_vars=True)
+        # A client's state: the trainable parameters, then the trainable BatchNorms' statistics.
+        names = sorted(model.state(), key=lambda name: not isinstance(named[name], torch.nn.Parameter))
+        self.names = names
+        self.tensors = [named[name] for name in names]
+        self.parameters = [t for t in self.tensors if isinstance(t, torch.nn.Parameter)]
+        self.inputs = [pipeline(c.train.images) for c in clients]
+        self.labels = [c.train.labels for c in clients]
+        self.personal: list[list[torch.Tensor] | None] = [None] * len(clients)
+        self.batch_size = settings.batch_size
+        self.epochs = settings.round_epochs
+        self.generator = torch.Generator().manual_seed(0)
+
+    def round(self, initial: AdapterState) -> list[torch.Tensor]:
+        """Personal (proximal) and local SGD for every client, then the mean of the local states."""
+        global_values = [initial[name] for name in self.names]
+        uploads = []
+        for client in range(len(self.inputs)):
+            self.personal[client] = self._train(client, self.personal[client] or global_values, global_values)
+            uploads.append(self._train(client, global_values, None))
+        return [
+            torch.stack(values).mean(dim=0) if values[0].is_floating_point() else values[0]
+            for values in zip(*uploads, strict=True)
+        ]
+
+    def _train(self, client: int, start: list[torch.Tensor], anchor: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for tensor, value in zip(self.tensors, start, strict=True):
+                tensor.copy_(value)
+        self.model.train()
+        optimizer = torch.optim.SGD(self.parameters, lr=LR)
+        images, labels = self.inputs[client], self.labels[client]
+        for _ in range(self.epochs):
+            for batch in torch.randperm(len(images), generator=self.generator).split(self.batch_size):
+                loss = F.cross_entropy(self.model(images[batch]), labels[batch])
+                optimizer.zero_grad()
+                loss.backward()
+                if anchor is not None:
+                    with torch.no_grad():
+                        for parameter, fixed in zip(self.parameters, anchor, strict=False):
+                            parameter.grad.add_(parameter - fixed, alpha=LAM)
+                optimizer.step()
+        return [t.detach().clone() for t in self.tensors]
+
+
+# ---------------------------------------------------------------- scale
+
+
+def scale(settings: Settings, workdir: Path) -> dict:
+    """Peak RSS and seconds per round of PerAda (no distillation) at M = 10,000 clients against M = 100: the same
+    clients per round and a few images per client, client states on disk. Each size runs `peradapt train` in a
+    fresh process, which reports its own peak RSS and the time between its rounds; the two sizes alternate."""
+    weights = workdir / "backbone.safetensors"
+    backbone = create_backbone(settings.scale_backbone, CLASSES, 1)
+    info = BackboneInfo(settings.scale_backbone, 1, 28, (0.5,), (0.25,), "random weights: speed does not need more")
+    save_backbone(backbone.state_dict(), info, weights)
+    sizes = (settings.scale_small, settings.scale_large)
+    runs: dict[int, list[dict]] = {clients: [] for clients in sizes}
+    for repetition in range(settings.scale_repeats):
+        for clients in sizes if repetition % 2 == 0 else sizes[::-1]:
+            runs[clients].append(scale_run(clients, weights, workdir / f"run-{clients}-{repetition}", settings))
+    small, large = runs[settings.scale_small], runs[settings.scale_large]
+    return {
+        "scale_rss_ratio": median_ratio([r["peak_rss_bytes"] for r in large], [r["peak_rss_bytes"] for r in small]),
+        "scale_time_ratio": median_ratio([r["round_s"] for r in large], [r["round_s"] for r in small]),
+        "scale_peak_rss_bytes": {str(m): statistics.median(r["peak_rss_bytes"] for r in runs[m]) for m in sizes},
+        "scale_round_s": {str(m): statistics.median(r["round_s"] for r in runs[m]) for m in sizes},
+    }
+
+
+def scale_run(clients: int, weights: Path, out: Path, settings: Settings) -> dict:
+    command = [sys.executable, __file__, "--scale-child", str(clients), "--weights", str(weights), "--out", str(out)]
+    command += ["--threads", str(settings.threads), *(["--quick"] if settings.quick else [])]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    if finished.returncode != 0:
+        tail = (finished.stderr or finished.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"the {clients}-client run failed: {' / '.join(tail)}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+class RoundClock:
+    """A file for rich's Console that notes the time and the peak RSS so far at every round line the engine prints
+    (one per round when the output is no terminal), and ends the process after the last round: the final
+    evaluation and export of every client that follow are no rounds, and take time proportional to M."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.times: list[float] = []
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.startswith("round "):
+                self.times.append(time.perf_counter())
+                if len(self.times) == self.rounds:
+                    self.report()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def report(self) -> None:
+        gaps = np.diff(self.times)  # round 1 pays for first-touch costs: rounds 2.. are timed
+        print(json.dumps({"peak_rss_bytes": peak_rss_bytes(), "round_s": float(np.median(gaps))}), flush=True)
+        os._exit(0)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: the scale figures need Linux")
+
+
+def scale_child(clients: int, weights: str, out: str, settings: Settings) -> None:
+    from rich.console import Console
+
+    from peradapt.config import TrainConfig
+    from peradapt.federation.engine import train
+
+    flat = {
+        "data": "fmnist",  # the offline default: Debian's dataset-fashion-mnist
+        "backbone": settings.scale_backbone,
+        "weights": weights,
+        "clients": clients,
+        "clients_per_round": settings.scale_per_round,
+        "rounds": settings.scale_rounds,
+        "eval_every": 0,
+        "partition": "iid",
+        "method": "perada-nokd",
+        "local_epochs": 1,
+        "personal_epochs": 1,
+        "batch_size": settings.scale_client_images,
+        "limit_samples": clients * settings.scale_client_images,  # a few images per client at any M
+        "client_store": "disk",
+        "device": "cpu",
+        "out": out,
+    }
+    clock = RoundClock(settings.scale_rounds)
+    train(TrainConfig.from_flat(flat), console=Console(file=clock, width=200))
+    raise RuntimeError(f"the run ended after {len(clock.times)} of {settings.scale_rounds} round lines")
+
+
+# ---------------------------------------------------------------- main
+
+
+def machine() -> dict:
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())  # the first processor's
+    return {
+        "cpu": fields.get("model name", platform.processor()),
+        "cpu_family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
+        "cpu_flags_avx512": "avx512f" in fields.get("flags", "").split(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+BENCHMARKS: dict[str, Callable[[Settings], dict]] = {
+    "step": adapter_step_vs_inference,
+    "state": state_ratio,
+    "kd": kd_cached_speedup,
+    "engine": engine_overhead,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller phases: under 5 minutes on 2 CPU cores")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads for every measurement (default 1: on a shared machine, a second OpenMP thread "
+        "waits on cores that other jobs hold, and the figures measure the neighbours)",
+    )
+    parser.add_argument("--only", help=f"comma-separated subset of {', '.join([*BENCHMARKS, 'scale'])}")
+    parser.add_argument("--scale-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    settings = replace(QUICK if args.quick else Settings(), threads=args.threads)
+    torch.set_num_threads(settings.threads)
+    if args.scale_child:
+        scale_child(args.scale_child, args.weights, args.out, settings)
+        return
+    chosen = args.only.split(",") if args.only else [*BENCHMARKS, "scale"]
+    results: dict = {"quick": args.quick, "machine": machine(), "settings": asdict(settings)}
+    for name in chosen:
+        started = time.perf_counter()
+        if name == "scale":
+            with tempfile.TemporaryDirectory(prefix="peradapt-bench-") as workdir:
+                results.update(scale(settings, Path(workdir)))
+        else:
+            results.update(BENCHMARKS[name](settings))
+        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print_results(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def print_results(results: dict) -> None:
+    for key, (goal, bigger_is_better) in GOALS.items():
+        if key in results:
+            value = results[key]
+            met = value >= goal if bigger_is_better else value <= goal
+            relation = ">=" if bigger_is_better else "<="
+            print(f"{key:28s} {value:8.3f}   goal {relation} {goal:<5}  {'met' if met else 'MISSED'}")
+    for key, value in results.items():
+        if key not in GOALS and key not in ("machine", "settings", "quick"):
+            print(f"{key:36s} {value}")
+
+
+if __name__ == "__main__":
+    main()
