@@ -178,6 +178,20 @@ def train(
             f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients. {_default('client_store')}"
         ),
     ] = None,
+    dp_noise: Annotated[
+        float | None,
+        Opt(
+            help="Differential privacy: train clients with DP-SGD (opacus) at noise multiplier SIGMA; needs --dp-clip. "
+            "Each client's ε is accounted across rounds and reported.",
+            metavar="SIGMA",
+        ),
+    ] = None,
+    dp_clip: Annotated[
+        float | None, Opt(help="DP-SGD: clip every sample's gradient to this L2 norm C.", metavar="C")
+    ] = None,
+    dp_delta: Annotated[
+        float | None, Opt(help=f"DP-SGD: the δ at which each client's ε is reported. {_default('dp_delta')}")
+    ] = None,
     limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
     image_size: Annotated[
         int | None,
@@ -213,6 +227,11 @@ def train(
     from peradapt.evaluation import results_table
 
     title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
+    if "privacy" in report:  # as the paper's Table 5: the clients' mean ε ± std
+        privacy = report["privacy"]
+        title += (
+            f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
+        )
     out_console.print(results_table(report["summary"], title, report["metric"]))
     out_console.print(f"run directory: {train_config.out}")
 
@@ -330,6 +349,12 @@ def personalize(
         f"{100 * before:.2f}% with the global model, {100 * after:.2f}% personalized",
         soft_wrap=True,
     )
+    if "privacy" in result:
+        privacy = result["privacy"]
+        out_console.print(
+            f"differential privacy: ε = {privacy['epsilon']:.2f} at δ = {privacy['delta']:g} "
+            f"({privacy['steps']} DP-SGD steps on its data)"
+        )
     out_console.print(f"personalized model written to {result['adapter']}", soft_wrap=True)
 
 
@@ -342,14 +367,19 @@ def info(run: RunDir) -> None:
     config, resolved = read_run_config(run)
     partition = read_partition(run)
     out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
+    report_file = run / "report.json"
+    finished = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    privacy = finished.get("privacy")  # --dp-noise: each client's ε, known once the run has finished
+    epsilons = dict(zip(finished["clients"], privacy["epsilon"]["per_client"], strict=True)) if privacy else {}
     table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
     histogram_column = f"train histogram of {partition.get('histograms_of', 'classes')}"
-    for column in ("client", "train", "test", histogram_column):
+    for column in ("client", "train", "test", *(["ε"] if privacy else []), histogram_column):
         table.add_column(column, justify="right" if column != histogram_column else "left")
     clients = partition["clients"]
     for client in clients[:INFO_CLIENT_ROWS]:
         histogram = " ".join(str(n) for n in client["train_histogram"])
-        table.add_row(str(client["id"]), str(len(client["train"])), str(len(client["test"])), histogram)
+        spent = [f"{epsilons[client['id']]:.2f}" if client["id"] in epsilons else "-"] if privacy else []
+        table.add_row(str(client["id"]), str(len(client["train"])), str(len(client["test"])), *spent, histogram)
     out_console.print(table)
     if len(clients) > INFO_CLIENT_ROWS:
         more = len(clients) - INFO_CLIENT_ROWS
@@ -370,6 +400,19 @@ def info(run: RunDir) -> None:
         out_console.print(
             f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
             f"{counts['communicated']:,} communicated parameters"
+        )
+    if config.privacy.enabled:
+        dp = config.privacy
+        spent = (
+            f"ε per client {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} on average, "
+            f"{privacy['epsilon']['max']:.2f} at most ({privacy['accountant']} accountant)"
+            if privacy
+            else "ε per client in report.json once the run has finished"
+        )
+        out_console.print(
+            f"differential privacy: DP-SGD with noise multiplier {dp.dp_noise:g}, clipping norm {dp.dp_clip:g}, "
+            f"δ = {dp.dp_delta:g}; {spent}",
+            soft_wrap=True,
         )
 
 

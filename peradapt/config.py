@@ -96,6 +96,34 @@ class DistillConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Sample-level differential privacy of client training: DP-SGD (`peradapt.federation.privacy`)."""
+
+    dp_noise: float | None = None  # noise multiplier σ; None: no differential privacy
+    dp_clip: float | None = None  # C: every sample's gradient is clipped to this L2 norm
+    dp_delta: float = 1e-5  # the δ at which each client's ε is reported
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp_noise is not None
+
+    def validate(self, *, lam_auto: bool) -> None:
+        if (self.dp_noise is None) != (self.dp_clip is None):
+            raise ConfigError("differential privacy takes both --dp-noise SIGMA and --dp-clip C: pass both or neither")
+        if not 0 < self.dp_delta < 1:
+            raise ConfigError(f"--dp-delta must be between 0 and 1 (e.g. 1e-5), got {self.dp_delta}")
+        if self.dp_noise is None or self.dp_clip is None:
+            return
+        if self.dp_noise <= 0 or self.dp_clip <= 0:
+            raise ConfigError(f"--dp-noise and --dp-clip must be positive, got {self.dp_noise} and {self.dp_clip}")
+        if lam_auto:
+            raise ConfigError(
+                "--lam auto measures heterogeneity by training on every client's data outside the privacy "
+                "accounting: with --dp-noise pass a number"
+            )
+
+
+@dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
@@ -103,6 +131,7 @@ class TrainConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     seed: int = 0
     device: str = "auto"
     out: str | None = None
@@ -201,11 +230,12 @@ class TrainConfig:
             raise ConfigError("--image-size must be at least 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
+        self.privacy.validate(lam_auto=method.lam_auto)
 
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
 CLIENT_STORES = ("auto", "memory", "disk")
-_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")
+_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
 _TOP_LEVEL = ("seed", "device", "out")
 _SECTION_CLASSES = {
     "data": DataConfig,
@@ -214,6 +244,7 @@ _SECTION_CLASSES = {
     "federation": FederationConfig,
     "method": MethodConfig,
     "distill": DistillConfig,
+    "privacy": PrivacyConfig,
 }
 _FLAT_FIELDS: dict[str, str | None] = {}
 _field_types: dict[str, str] = {}

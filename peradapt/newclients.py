@@ -20,6 +20,7 @@ from peradapt.data.ood import load_imagefolder
 from peradapt.errors import DataError, RunError
 from peradapt.evaluation import metric_name
 from peradapt.federation.checkpoint import write_json_atomic
+from peradapt.federation.privacy import charged_to, client_privacy
 from peradapt.federation.seeds import derive_seed
 from peradapt.federation.session import RunPaths, Session
 from peradapt.runs import image_target, open_run
@@ -45,9 +46,10 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
     global_state = session.model.load_pretrained(paths.global_adapter)
     trainer, config = session.trainer, session.config
     before = trainer.score(global_state, client.test)
-    personal = session.method.personalize_new_client(
-        client, global_state, derive_seed(config.seed, client.client_id, NEW_CLIENT)
-    )
+    with charged_to(trainer.privacy, session.store, client.client_id):  # a DP run personalizes with DP-SGD too
+        personal = session.method.personalize_new_client(
+            client, global_state, derive_seed(config.seed, client.client_id, NEW_CLIENT)
+        )
     after = trainer.score(personal, client.test)
     out = paths.root / NEW_CLIENTS_DIR / name
     session.model.save_pretrained(out, personal)
@@ -61,6 +63,7 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
         "before": {"model": "global", "local_test": before},
         "after": {"model": "personalized", "local_test": after},
         "adapter": str(out),
+        **client_privacy(trainer.privacy, session.store, client.client_id),
     }
     write_json_atomic(out / "result.json", result)
     return result

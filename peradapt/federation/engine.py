@@ -31,6 +31,7 @@ from peradapt.federation.checkpoint import (
     write_json_atomic,
     write_text_atomic,
 )
+from peradapt.federation.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
 from peradapt.personalize import METHODS
@@ -153,7 +154,8 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             updates = []
             for client_id in sampled:
                 client_seed = derive_seed(seed, round_index, client_id)
-                updates.append(method.client_update(data.clients[client_id], global_state, client_seed))
+                with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
+                    updates.append(method.client_update(data.clients[client_id], global_state, client_seed))
                 progress.advance(clients_bar)
             progress.remove_task(clients_bar)
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
@@ -165,6 +167,7 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             )
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
+            record.update(round_epsilons(session.trainer.privacy, session.store, sampled))
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
                 record.update(summarize(_evaluate(session, global_state, session.client_sample)))
             history.append(record)
@@ -274,4 +277,5 @@ def build_report(session: Session, evaluation: dict) -> dict:
         "trainable_parameters": session.model.num_trainable(),
         "backbone_parameters": session.model.num_backbone(),
         **held_out,
+        **privacy_report(session.trainer.privacy, session.store, evaluation["clients"]),
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.data import ImageSet, iterate_minibatches, random_crop_flip, to_model_input
 from peradapt.errors import TrainingDiverged
 from peradapt.evaluation.metrics import metric_value
+
+if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modules
+    from peradapt.federation.privacy import PrivateTraining
 
 
 @dataclass
@@ -51,6 +55,7 @@ class LocalTrainer:
     inputs: InputPipeline
     batch_size: int
     eval_batch_size: int = 512
+    privacy: PrivateTraining | None = None  # --dp-noise: every `sgd` is DP-SGD, its steps charged to the client
 
     def sgd(
         self,
@@ -66,8 +71,11 @@ class LocalTrainer:
         """`epochs` passes of minibatch SGD on the loss (see `loss`) from `start`.
 
         With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
-        (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss.
+        (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss. With `privacy`, the
+        gradient of L is DP-SGD's (see `private_sgd`).
         """
+        if self.privacy is not None:
+            return self.private_sgd(start, data, epochs=epochs, lr=lr, seed=seed, anchor=anchor, lam=lam)
         model = self.model
         model.load_state(start)
         model.train()
@@ -87,6 +95,52 @@ class LocalTrainer:
             batches += 1
         return model.state(), total_loss / max(batches, 1)
 
+    def private_sgd(
+        self,
+        start: AdapterState,
+        data: ImageSet,
+        *,
+        epochs: int,
+        lr: float,
+        seed: int,
+        anchor: AdapterState | None = None,
+        lam: float = 0.0,
+    ) -> tuple[AdapterState, float]:
+        """`sgd` as DP-SGD (`peradapt.federation.privacy`): Poisson-sampled batches, each sample's gradient clipped
+        to C, Gaussian noise of std σC, the mean over the expected batch size; then the proximal pull
+        lam * (v - w), a function of parameters only, taken as it is. Returns the final state and the mean loss
+        per sample."""
+        privacy = self.privacy
+        assert privacy is not None and data.labels is not None
+        model = self.model
+        model.load_state(start)
+        model.train()
+        parameters = model.trainable_parameters()
+        generator = seeded_generator(seed)  # Poisson draws, augmentation and dropout; the noise has its own
+        batches = privacy.batches(len(data), self.batch_size, epochs)
+        optimizer = privacy.optimizer(parameters.values(), lr=lr, batches=batches, seed=seed)
+        total_loss, samples = 0.0, 0
+        with privacy.per_sample_gradients(model.module):
+            for batch in batches.draw(generator):
+                optimizer.zero_grad(set_to_none=True)
+                if len(batch):
+                    images = self.inputs(data.images[batch], generator)
+                    labels = data.labels[batch].to(self.inputs.device, non_blocking=True)
+                    loss = self.loss(images, labels, lr, reduction="sum")  # per-sample gradients are the samples' own
+                    loss.backward()
+                    total_loss, samples = total_loss + loss.item(), samples + len(batch)
+                else:
+                    privacy.no_samples(parameters.values())
+                with torch.no_grad():
+                    proximal = anchor is not None and lam > 0
+                    pull = {n: lam * (p - anchor[n]) for n, p in parameters.items()} if proximal else {}
+                    optimizer.step()
+                    for name, step in pull.items():
+                        parameters[name].sub_(step, alpha=lr)
+            optimizer.zero_grad(set_to_none=True)  # the last step's clipped sum is not left on the shared model
+        privacy.spend(batches)
+        return model.state(), total_loss / max(samples, 1)
+
     def minibatches(self, data: ImageSet, *, epochs: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Shuffled, augmented (images, labels) batches on the model's device for `epochs` passes.
 
@@ -100,15 +154,18 @@ class LocalTrainer:
                 images = self.inputs(data.images[batch], generator)
                 yield images, data.labels[batch].to(self.inputs.device, non_blocking=True)
 
-    def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float) -> torch.Tensor:
+    def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
         """Loss of the model as it is loaded: cross-entropy for class indices, binary cross-entropy per label
-        (mean over labels and batch) for multi-hot labels. Stops the run if it is no longer finite."""
+        (mean over labels and batch) for multi-hot labels; with `reduction` "sum", the sum over the batch of each
+        sample's loss. Stops the run if it is no longer finite."""
         with self.inputs.autocast():
             logits = self.model(images)
             if labels.dim() == 2:
-                loss = F.binary_cross_entropy_with_logits(logits, labels)
+                loss = F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
+                if reduction == "sum":  # a sample's loss is the mean over its labels
+                    loss = loss / labels.shape[1]
             else:
-                loss = F.cross_entropy(logits, labels)
+                loss = F.cross_entropy(logits, labels, reduction=reduction)
         if not torch.isfinite(loss):
             raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
         return loss

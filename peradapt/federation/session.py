@@ -22,6 +22,7 @@ from peradapt.data import ClientData, FederatedData, build_federation
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, RunError
 from peradapt.federation.local import InputPipeline, LocalTrainer
+from peradapt.federation.privacy import check_private_method, private_training
 from peradapt.federation.seeds import EVALUATION, derive_seed
 from peradapt.federation.store import ClientStore, DiskClientStore
 from peradapt.personalize import Method, MethodContext, build_method, method_class
@@ -143,6 +144,7 @@ def build_session(
     private state goes to a `DiskClientStore` in the directory `client_store` (None: in memory)."""
     config.validate()
     method_cls = method_class(config.method.method)
+    check_private_method(config, method_cls)
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
     image_size = config.data.image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
@@ -183,7 +185,7 @@ def build_session(
         device,
         augment=config.data.data in AUGMENTED_DATASETS,
     )
-    trainer = LocalTrainer(model, inputs, config.method.batch_size)
+    trainer = LocalTrainer(model, inputs, config.method.batch_size, privacy=private_training(config, model))
     distiller = None
     if method_cls.uses_distillation:
         distiller = Distiller(trainer, data.kd, data.val, config.distill)

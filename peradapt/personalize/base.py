@@ -49,6 +49,8 @@ class Method(ABC):
     uses_distillation: ClassVar[bool] = False
     uses_proximal: ClassVar[bool] = False  # has a proximal strength lam that `--lam auto` may choose
     default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
+    # All its training on client data goes through `LocalTrainer.sgd`, which --dp-noise makes DP-SGD.
+    supports_dp: ClassVar[bool] = False
 
     def __init__(self, context: MethodContext) -> None:
         self.context = context

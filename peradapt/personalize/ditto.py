@@ -30,6 +30,7 @@ class Ditto(ProximalPersonalization):
     summary = "FedAvg global model plus a personalized model proximal to it (Ditto, Li et al. 2021, Algorithm 1)"
     default_scope = "full"
     uses_proximal = True
+    supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         local, local_loss = self.local_update(client, global_state, seed)  # UPDATE_GLOBAL: E epochs from w^t

@@ -36,6 +36,7 @@ class FedAvg(Method):
     name = "fedavg"
     summary = "FedAvg: local SGD from the global model, sample-size weighted mean (McMahan et al., Algorithm 1)"
     default_scope = "full"
+    supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         local, loss = self.local_update(client, global_state, seed)
@@ -70,6 +71,7 @@ class FedAvg(Method):
 class FedAvgFT(FedAvg):
     name = "fedavg-ft"
     summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
+    supports_dp = False  # it fine-tunes on client data at every evaluation, outside the rounds' accounting
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         seed = derive_seed(self.context.run_seed, client_id, FINETUNE)

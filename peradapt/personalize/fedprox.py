@@ -40,6 +40,7 @@ class FedProx(ProximalPersonalization):
     summary = "personalized FedProx: proximal local models, server gradient step on the Moreau envelope (Alg. 1)"
     default_scope = "adapter"
     uses_proximal = True
+    supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         # eq. (11): K steps on h_i(., w_g) from the warm start w_{t-1,K}

@@ -27,6 +27,7 @@ class PerAda(ProximalPersonalization):
     summary = "personalized adapters with a proximal term to a KD-distilled global adapter (Algorithm 1)"
     uses_distillation = True
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
+    supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         _, personal_loss = self.proximal_personal_update(client, global_state, seed)  # line 10
