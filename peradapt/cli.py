@@ -15,6 +15,11 @@ from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
 from peradapt.errors import ConfigError, PeradaptError
 from peradapt.personalize import METHODS
 
+try:
+    from typer import TyperException as UsageError  # typer >= 0.26, which vendors click
+except ImportError:  # older typer (flwr 1.41 pins typer < 0.21): click's own exceptions
+    from click import ClickException as UsageError
+
 app = typer.Typer(
     help="Personalized federated learning with adapters (PerAda and friends) on frozen pretrained backbones.",
     no_args_is_help=True,
@@ -175,7 +180,16 @@ def train(
         Opt(
             help="Where clients' private state (e.g. PerAda's personalized adapters) lives between rounds: memory "
             "(and in every checkpoint), disk (OUT/client_store/, a safetensors file per client; memory holds only "
-            f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients. {_default('client_store')}"
+            f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients, and always with --engine flower. "
+            f"{_default('client_store')}"
+        ),
+    ] = None,
+    engine: Annotated[
+        str | None,
+        Opt(
+            help="builtin (clients simulated one after the other in this process) or flower (the same rounds with "
+            "clients in Flower ClientApps, simulated here with Ray; docs/DEPLOY.md runs them on other machines). "
+            f"{_default('engine')}"
         ),
     ] = None,
     dp_noise: Annotated[
@@ -254,7 +268,7 @@ def compare(
     train_command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     try:
         flags = train_command.make_context("train", list(context.args)).params
-    except typer.TyperException as exc:
+    except UsageError as exc:
         raise ConfigError(f"compare: {exc.format_message()}") from None  # type: ignore[attr-defined]
     if flags.pop("resume") or flags.get("config"):
         raise ConfigError("compare takes --config itself and cannot --resume: re-run it to finish missing runs")
@@ -442,6 +456,6 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("aborted")
         sys.exit(130)
-    except typer.TyperException as exc:  # usage errors: typer's own click prints them with a hint to --help
+    except UsageError as exc:  # usage errors: typer's own click prints them with a hint to --help
         exc.show()  # type: ignore[attr-defined]
         sys.exit(getattr(exc, "exit_code", 2))

@@ -53,13 +53,15 @@ class FederationConfig:
     rounds: int = 200
     eval_every: int = 10
     holdout_clients: int = 0  # the last K client ids never take part in training (`peradapt personalize` them)
-    client_store: str = "auto"  # memory, disk, or auto: disk above DISK_STORE_ABOVE clients
+    client_store: str = "auto"  # memory, disk, or auto: disk above DISK_STORE_ABOVE clients (always under Flower)
+    engine: str = "builtin"  # builtin (clients simulated in this process) or flower (ServerApp/ClientApp)
 
     def store_kind(self) -> str:
         """Where clients' private state lives between rounds: `memory` or `disk`, `auto` resolved."""
         if self.client_store != "auto":
             return self.client_store
-        return "disk" if self.clients > DISK_STORE_ABOVE else "memory"
+        # Flower's ClientApps run in other processes (or machines), re-created every round: state lives on disk.
+        return "disk" if self.clients > DISK_STORE_ABOVE or self.engine == "flower" else "memory"
 
 
 @dataclass
@@ -212,6 +214,18 @@ class TrainConfig:
             )
         if fed.client_store not in CLIENT_STORES:
             raise ConfigError(f"unknown --client-store '{fed.client_store}': use {', '.join(CLIENT_STORES)}")
+        if fed.engine not in ENGINES:
+            raise ConfigError(f"unknown --engine '{fed.engine}': use {', '.join(ENGINES)}")
+        if fed.engine == "flower" and fed.client_store == "memory":
+            raise ConfigError(
+                "--engine flower keeps clients' private state on disk (its ClientApps are re-created every round): "
+                "use --client-store disk or auto"
+            )
+        if fed.engine == "flower" and self.privacy.enabled:
+            raise ConfigError(
+                "--dp-noise accounts each client's ε in the server's client store, which Flower's nodes keep for "
+                "themselves: run differentially private training with --engine builtin"
+            )
         if method.scope not in (None, "adapter", "full"):
             raise ConfigError(f"unknown --scope '{method.scope}': use adapter or full")
         if method.personal_part not in (None, *PERSONAL_PARTS):
@@ -235,6 +249,7 @@ class TrainConfig:
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
 CLIENT_STORES = ("auto", "memory", "disk")
+ENGINES = ("builtin", "flower")
 _SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
 _TOP_LEVEL = ("seed", "device", "out")
 _SECTION_CLASSES = {

@@ -325,4 +325,5 @@ def test_diverging_training_stops_with_advice(tmp_path, fmnist_dir, capsys, monk
 def test_an_unknown_flag_is_a_usage_error_not_a_traceback(capsys, monkeypatch):
     code, _, err = run_cli(["train", "--no-such-flag", "1"], capsys, monkeypatch)
     assert code == 2
-    assert "No such option: --no-such-flag" in err and "Traceback" not in err
+    # click's wording varies with its version (typer >= 0.26 vendors its own; flwr pins typer < 0.21)
+    assert "No such option" in err and "--no-such-flag" in err and "Traceback" not in err

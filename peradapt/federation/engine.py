@@ -5,6 +5,10 @@ and, because every random draw is derived from (seed, round, client, phase), end
 uninterrupted run gives. The client store (memory or disk, `--client-store`) is restored to that checkpoint and
 committed after each one, so clients' private state always matches the checkpoint's round (see `store`).
 
+The loop is the same for both engines (`--engine`); only where the clients' side runs differs (`Clients`): here,
+one client after the other (`LocalClients`), or in Flower ClientApps that receive the global adapter and send
+their uploads back (`peradapt.flower`). Either way each client is played by `play_client`.
+
 Nothing in the loop grows with the number of clients M beyond the data: one model serves every client, a disk
 store holds the states, and in federations of more than CLIENT_SAMPLE clients the evaluations that cost a state
 or a large pass per client use the session's seeded `client_sample`.
@@ -13,13 +17,16 @@ or a large pass per client use the session's seeded `client_sample`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from rich.console import Console
 
+from peradapt.adapters import AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
@@ -34,7 +41,7 @@ from peradapt.federation.checkpoint import (
 from peradapt.federation.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
 from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
-from peradapt.personalize import METHODS
+from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
 from peradapt.progress import progress_display
 
@@ -66,6 +73,26 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
     """Run (or continue) a federation; returns the report also written to `report.json`."""
     console = console or Console(stderr=True)
+    if config.federation.engine == "flower":
+        from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
+
+        return simulate(prepare_run(config, resume=resume, console=console), console)
+    run = prepare_run(config, resume=resume, console=console)
+    return run_federation(run, LocalClients(run.session), console)
+
+
+@dataclass
+class PreparedRun:
+    """A run directory ready for its rounds: session built, config written, state as of the newest checkpoint."""
+
+    session: Session
+    paths: RunPaths
+    global_state: AdapterState
+    history: list[dict]
+
+
+def prepare_run(config: TrainConfig, *, resume: bool, console: Console) -> PreparedRun:
+    """Build the session and write the run's config (and partition), or reopen it at its newest checkpoint."""
     run_dir = Path(config.out) if config.out else default_run_dir(config)
     config.out = str(run_dir)
     paths = RunPaths(run_dir)
@@ -99,9 +126,64 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     start = len(history)
     if start:
         console.print(f"resuming {run_dir} after round {start}")
+    return PreparedRun(session, paths, global_state, history)
 
-    global_state = _run_rounds(session, global_state, history, paths, console)
-    return _finish(session, global_state, paths, console)
+
+def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
+    """The rounds left, then the final evaluation and export: the same for every engine."""
+    global_state = _run_rounds(run.session, run.global_state, run.history, run.paths, console, clients)
+    return _finish(run.session, global_state, run.paths, console, clients)
+
+
+class Clients(Protocol):
+    """Where the clients' side of the rounds runs: in this process (`LocalClients`, the builtin engine) or in
+    Flower ClientApps (`peradapt.flower`). Both play each client with `play_client`."""
+
+    def train(
+        self, round_index: int, sampled: list[int], global_state: AdapterState, on_client: Callable[[], None]
+    ) -> list[ClientUpdate]:
+        """The sampled clients' updates from `global_state`, in the order of `sampled`."""
+
+    def personalized(
+        self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
+    ) -> Callable[[int], AdapterState]:
+        """Client id -> the adapter it is evaluated and exported with (`Method.personalized`), to be asked for
+        `clients` in their order, after round `played` with the checkpoint of round `checkpointed` written."""
+
+    def traffic(self) -> dict:
+        """What was sent since the last call, for the round's record (nothing moves in the builtin engine)."""
+
+
+class LocalClients:
+    """The builtin engine's clients: simulated one after the other in this process, on the session's one model."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def train(
+        self, round_index: int, sampled: list[int], global_state: AdapterState, on_client: Callable[[], None]
+    ) -> list[ClientUpdate]:
+        updates = []
+        for client_id in sampled:
+            updates.append(play_client(self.session, client_id, global_state, round_index))
+            on_client()
+        return updates
+
+    def personalized(
+        self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
+    ) -> Callable[[int], AdapterState]:
+        return lambda client_id: self.session.method.personalized(client_id, global_state)
+
+    def traffic(self) -> dict:
+        return {}
+
+
+def play_client(session: Session, client_id: int, global_state: AdapterState, round_index: int) -> ClientUpdate:
+    """Client `client_id`'s side of round `round_index` (from 0): the method's client update from the global state,
+    seeded by (seed, round, client), so that any engine, process or machine gives the same numbers."""
+    client_seed = derive_seed(session.config.seed, round_index, client_id)
+    with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
+        return session.method.client_update(session.data.clients[client_id], global_state, client_seed)
 
 
 def _store_directory(kind: str, paths: RunPaths) -> Path | None:
@@ -141,8 +223,10 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
     return record
 
 
-def _run_rounds(session: Session, global_state: dict, history: list, paths: RunPaths, console: Console) -> dict:
-    config, method, data = session.config, session.method, session.data
+def _run_rounds(
+    session: Session, global_state: dict, history: list, paths: RunPaths, console: Console, clients: Clients
+) -> dict:
+    config, method = session.config, session.method
     fed, seed = config.federation, config.seed
     federated = fed.clients - fed.holdout_clients  # held-out clients are the last ids: never sampled
     kd_steps = config.distill.kd_steps if method.uses_distillation else 0
@@ -151,12 +235,7 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
         for round_index in range(len(history), fed.rounds):
             sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
             clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(sampled))
-            updates = []
-            for client_id in sampled:
-                client_seed = derive_seed(seed, round_index, client_id)
-                with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
-                    updates.append(method.client_update(data.clients[client_id], global_state, client_seed))
-                progress.advance(clients_bar)
+            updates = clients.train(round_index, sampled, global_state, lambda bar=clients_bar: progress.advance(bar))
             progress.remove_task(clients_bar)
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
             global_state, server_metrics = method.server_update(
@@ -169,7 +248,12 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
             record.update(round_epsilons(session.trainer.privacy, session.store, sampled))
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
-                record.update(summarize(_evaluate(session, global_state, session.client_sample)))
+                evaluated = session.client_sample  # after this round, whose checkpoint is not written yet
+                personalized = clients.personalized(
+                    evaluated, global_state, played=round_index + 1, checkpointed=round_index
+                )
+                record.update(summarize(_evaluate(session, personalized, global_state, evaluated)))
+            record.update(clients.traffic())
             history.append(record)
             _save_round(session, global_state, history, paths)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
@@ -178,12 +262,17 @@ def _run_rounds(session: Session, global_state: dict, history: list, paths: RunP
     return global_state
 
 
-def _evaluate(session: Session, global_state: dict, clients: list[ClientData], **options) -> dict:
+def _evaluate(
+    session: Session,
+    personalized: Callable[[int], AdapterState],
+    global_state: dict,
+    clients: Sequence[ClientData],
+    **options,
+) -> dict:
     """The clients' personalized adapters and the global adapter on the clients' test data."""
-    method = session.method
     return evaluate_adapters(
         session.trainer,
-        lambda c: method.personalized(c, global_state),
+        personalized,
         global_state,
         clients,
         session.data.global_test,
@@ -213,26 +302,37 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
     session.store.commit(len(history))
 
 
-def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console) -> dict:
-    clients = session.federated_clients
+def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console, clients: Clients) -> dict:
+    federated, rounds = session.federated_clients, session.config.federation.rounds
     with progress_display(console) as progress:
-        evaluated = progress.add_task("final evaluation", total=len(clients))
+        evaluated = progress.add_task("final evaluation", total=len(federated))
         evaluation = _evaluate(
             session,
+            clients.personalized(federated, global_state, played=rounds, checkpointed=rounds),
             global_state,
-            clients,
+            federated,
             global_test_clients={c.client_id for c in session.client_sample},
             on_client=lambda: progress.advance(evaluated),
         )
-        exported = progress.add_task("adapters exported", total=len(clients) + 1)
-        export_adapters(session, global_state, paths.root, on_adapter=lambda: progress.advance(exported))
+        exported = progress.add_task("adapters exported", total=len(federated) + 1)
+        export_adapters(
+            session,
+            clients.personalized(federated, global_state, played=rounds, checkpointed=rounds),
+            global_state,
+            paths.root,
+            on_adapter=lambda: progress.advance(exported),
+        )
     report = build_report(session, evaluation)
     write_json_atomic(paths.report, report)
     return report
 
 
 def export_adapters(
-    session: Session, global_state: dict, directory: Path, on_adapter: Callable[[], None] = lambda: None
+    session: Session,
+    personalized: Callable[[int], AdapterState],
+    global_state: dict,
+    directory: Path,
+    on_adapter: Callable[[], None] = lambda: None,
 ) -> None:
     """Every federated client's personalized adapter and the global adapter, in PEFT layout.
 
@@ -241,7 +341,7 @@ def export_adapters(
     """
     model, shared, files = session.model, None, {}
     for client in session.federated_clients:
-        state = session.method.personalized(client.client_id, global_state)
+        state = personalized(client.client_id)
         if state is not shared:
             shared, files = state, model.saved_files(state)
         write_files(directory / "clients" / str(client.client_id), files)

@@ -19,6 +19,10 @@ every other file (temporary files of interrupted writes: the directory belongs t
 `kill -9` anywhere, a resumed run sees exactly the states of its checkpoint, replays the lost round with the same
 seeds, rewrites the same files, and ends with the files an uninterrupted run writes. Like the checkpoints, nothing
 is fsynced: this protects against a killed process, not a lost disk cache.
+
+Under `--engine flower` the clients' states are written by ClientApps, in other processes or on other machines, one
+client at a time: each opens its client with `open_client`, which applies the same rules to that client's files,
+given the round being played and the newest checkpoint's (the server says both in its message).
 """
 
 from __future__ import annotations
@@ -143,3 +147,35 @@ class DiskClientStore(ClientStore):
             path.unlink(missing_ok=True)
         self._superseded = []
         self._round = completed_rounds + 1
+
+    def open_client(self, client_id: int, *, played: int, checkpointed: int) -> None:
+        """Serve client `client_id` alone, with its states as of round `played`, in a run whose newest checkpoint
+        is after round `checkpointed` (`played` or `played - 1`); a `put` then writes version `played + 1`.
+
+        For a process that plays one client at a time while another (the server) owns the checkpoints: Flower's
+        ClientApps. It applies `restore`'s rules to this client's files only, so processes serving other clients
+        of the same directory at the same time are untouched: versions newer than `played` (written in a round no
+        checkpoint recorded) and interrupted writes are deleted, and versions superseded by one that a checkpoint
+        covers. The newest version up to `checkpointed` stays until the next checkpoint covers a newer one.
+        """
+        self._round, self._current, self._superseded = played + 1, {}, []
+        if not self.directory.is_dir():
+            return
+        prefix = f"{client_id}."
+        versions: dict[str, list[int]] = {}
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(prefix):
+                    continue
+                match = _DISK_FILE.fullmatch(entry.name)
+                if match is None or int(match["round"]) > played:
+                    os.unlink(entry.path)
+                else:
+                    versions.setdefault(match["key"], []).append(int(match["round"]))
+        for key, found in versions.items():
+            newest = max(found)
+            self._current[(client_id, key)] = newest
+            covered = max((v for v in found if v <= checkpointed), default=None)  # what a resume would read
+            for version in found:
+                if version not in (newest, covered):
+                    self.path(client_id, key, version).unlink()
