@@ -5,6 +5,7 @@ adapters on the wire. One test starts Flower's Ray simulation; the others run th
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -138,6 +139,7 @@ def test_flower_simulation_gives_the_builtin_numbers_and_sends_only_adapters(
     finally:
         torch.set_num_threads(threads)
     flower = tmp_path / "flower"
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after Flower rewrites it for Ray
     monkeypatch.setattr(sys, "argv", ["peradapt", *cli_args({**values, "out": flower, "engine": "flower"})])
     main()
     assert "perada on fmnist, 4 clients, 2 rounds" in capsys.readouterr().out  # the results table, as builtin
