@@ -193,6 +193,7 @@ def _row(run: dict) -> dict:
         **{key: _stats(report[who].get(split)) for key, who, split in _ACCURACY_ENTRIES},
         "ood": run["ood"],
         "new_clients": _read_new_clients(run["path"]),
+        "dp_epsilon": report.get("privacy", {}).get("epsilon"),  # --dp-noise runs: ε per client, mean, std, max
     }
 
 
@@ -215,11 +216,14 @@ def markdown_summary(rows: list[dict]) -> str:
     headers = ["run", "method", "seed", "scope", "metric", *(label for _, label in ACCURACIES)]
     headers += [f"{name} (personalized / global)" for name in ood_names]
     headers += ["new clients: global → personalized"] if new_clients else []
+    private = any(row["dp_epsilon"] for row in rows)
+    headers += ["DP ε: mean ± std (max)"] if private else []
     lines = [
         "Accuracy % (AUC % for multi-label runs: see `metric`), mean ± std over clients, of each run's personalized "
         "models; `global-test of w`: the global "
         "model. OOD columns: mean over clients and over the set's corruptions and severities (`peradapt eval --ood`). "
-        "New clients: mean local-test of the held-out clients before and after `peradapt personalize`.",
+        "New clients: mean local-test of the held-out clients before and after `peradapt personalize`. DP ε: the "
+        "clients' sample-level ε at the run's δ (`--dp-noise`).",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "---|" * len(headers),
@@ -233,5 +237,8 @@ def markdown_summary(rows: list[dict]) -> str:
         if new_clients:
             new = row["new_clients"]
             cells.append("-" if new is None else f"{new['before']:.2f} → {new['after']:.2f} ({new['clients']})")
+        if private:
+            spent = row["dp_epsilon"]
+            cells.append("-" if spent is None else f"{spent['mean']:.2f} ± {spent['std']:.2f} ({spent['max']:.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -297,6 +297,16 @@ def test_train_and_info_show_the_epsilons(dp_run, capsys, monkeypatch):
     assert epsilon_column == [f"{value:.2f}" for value in per_client] + ["-"]  # the held-out client spent nothing
 
 
+def test_report_tables_the_epsilons(dp_run, capsys, monkeypatch):
+    code, _, err = run_cli(["report", str(dp_run)], capsys, monkeypatch)
+    assert code == 0, err
+    spent = json.loads((dp_run / "report.json").read_text())["privacy"]["epsilon"]
+    summary = (dp_run / "summary.md").read_text()
+    assert "DP ε: mean ± std (max)" in summary
+    assert f"{spent['mean']:.2f} ± {spent['std']:.2f} ({spent['max']:.2f})" in summary
+    assert json.loads((dp_run / "summary.json").read_text())["rows"][0]["dp_epsilon"] == spent
+
+
 def test_a_larger_noise_multiplier_spends_less_in_a_real_run(
     dp_run, fmnist_dir, vit_weights, tmp_path, capsys, monkeypatch
 ):
