@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 TINY_BACKBONE = "resnet10_w4"
+TINY_VIT = "vit_tiny_p4_32"  # registered by peradapt: 32 px, patch 4
 
 
 def idx_bytes(array: np.ndarray) -> bytes:
@@ -61,3 +62,29 @@ def pretrained_home(tmp_path_factory: pytest.TempPathFactory, fmnist_dir: Path) 
 def home(pretrained_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PERADAPT_HOME", str(pretrained_home))
     return pretrained_home
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): a second intra-op thread
+    only adds OpenMP waits, many when the machine is busy."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny ViT for grayscale images, as a weights file (no JSON: the data normalizes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from peradapt.backbones import create_backbone
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("vit") / "vit.safetensors"
+    save_file({k: v.contiguous() for k, v in create_backbone(TINY_VIT, 10, 1).state_dict().items()}, str(path))
+    return path

@@ -26,27 +26,14 @@ from peradapt.errors import ConfigError
 from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.privacy import PoissonBatches, PrivateTraining, epsilon, private_training
 
+from .conftest import TINY_VIT
 from .test_cli import Crash, expect_user_error, results, run_cli
 
-VIT = "vit_tiny_p4_32"
+VIT = TINY_VIT
 SIGMA, CLIP, DELTA, BATCH = 1.0, 1.0, 1e-5, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: a second intra-op thread only adds OpenMP waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("vit") / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in create_backbone(VIT, 10, 1).state_dict().items()}, str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dp_args(fmnist_dir: Path, weights: Path, out: Path, *extra: str) -> list[str]:
@@ -297,14 +284,14 @@ def test_train_and_info_show_the_epsilons(dp_run, capsys, monkeypatch):
     assert epsilon_column == [f"{value:.2f}" for value in per_client] + ["-"]  # the held-out client spent nothing
 
 
-def test_report_tables_the_epsilons(dp_run, capsys, monkeypatch):
-    code, _, err = run_cli(["report", str(dp_run)], capsys, monkeypatch)
+def test_report_tables_the_epsilons(dp_run, tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(["report", str(dp_run), "--out", str(tmp_path)], capsys, monkeypatch)
     assert code == 0, err
     spent = json.loads((dp_run / "report.json").read_text())["privacy"]["epsilon"]
-    summary = (dp_run / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
     assert "DP ε: mean ± std (max)" in summary
     assert f"{spent['mean']:.2f} ± {spent['std']:.2f} ({spent['max']:.2f})" in summary
-    assert json.loads((dp_run / "summary.json").read_text())["rows"][0]["dp_epsilon"] == spent
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"][0]["dp_epsilon"] == spent
 
 
 def test_a_larger_noise_multiplier_spends_less_in_a_real_run(

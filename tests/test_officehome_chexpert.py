@@ -100,13 +100,7 @@ def u_ones(records: list[dict[str, str]]) -> np.ndarray:
     return np.array([[U_ONES[record[task]] for task in TASKS] for record in records], dtype=np.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: a second intra-op thread only adds OpenMP waits, many when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

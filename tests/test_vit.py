@@ -11,7 +11,7 @@ import pytest
 import timm
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from peradapt.adapters import BottleneckAdapterLayer, inject_adapters
@@ -24,29 +24,15 @@ from peradapt.federation.store import ClientStore
 from peradapt.personalize import METHODS, MethodContext
 from peradapt.personalize.partial import personal_keys
 
+from .conftest import TINY_VIT
 from .test_cli import expect_user_error, run_cli
 
-VIT = "vit_tiny_p4_32"
+VIT = TINY_VIT
 DEPTH, WIDTH, RANK = 4, 64, 4
 HF_MEAN, HF_STD = (0.25, 0.5, 0.75), (0.5, 0.25, 0.125)  # distinct per channel, to see where they come from
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: a second intra-op thread only adds OpenMP waits, many when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised tiny ViT for grayscale images, as a weights file (no JSON: the data normalizes)."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("vit") / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in create_backbone(VIT, 10, 1).state_dict().items()}, str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
