@@ -61,14 +61,21 @@ def results(run: Path) -> dict[str, bytes]:
     return files
 
 
+def run_main(args: list[str], home: Path | None = None) -> None:
+    """`peradapt ARGS` for a module-scoped fixture (which has no function-scoped monkeypatch), with
+    PERADAPT_HOME set to `home` when one is given."""
+    with pytest.MonkeyPatch.context() as patch:
+        if home is not None:
+            patch.setenv("PERADAPT_HOME", str(home))
+        patch.setattr(sys, "argv", ["peradapt", *args])
+        main()
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, pretrained_home, fmnist_dir):
     """One uninterrupted tiny PerAda run, shared by the tests that only read it."""
     run = tmp_path_factory.mktemp("runs") / "full"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERADAPT_HOME", str(pretrained_home))
-        patch.setattr(sys, "argv", ["peradapt", *tiny_args(fmnist_dir, run)])
-        main()
+    run_main(tiny_args(fmnist_dir, run), pretrained_home)
     return run
 
 
@@ -185,20 +192,25 @@ class Crash(Exception):
     pass
 
 
-def test_resume_after_a_crash_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, capsys, monkeypatch, home):
-    run = tmp_path / "crashed"
+def crash_after_round(crash_round: int, args: list[str], capsys, monkeypatch) -> None:
+    """`peradapt ARGS`, stopped by an exception right after the checkpoint of round `crash_round` is written."""
     save_round = engine._save_round
 
     def save_then_crash(session, global_state, history, paths):
         save_round(session, global_state, history, paths)
-        if len(history) == 2:
+        if len(history) == crash_round:
             raise Crash
 
     monkeypatch.setattr(engine, "_save_round", save_then_crash)
     with pytest.raises(Crash):
-        run_cli(tiny_args(fmnist_dir, run), capsys, monkeypatch)
-    assert not (run / "report.json").exists()
+        run_cli(args, capsys, monkeypatch)
     monkeypatch.setattr(engine, "_save_round", save_round)
+
+
+def test_resume_after_a_crash_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "crashed"
+    crash_after_round(2, tiny_args(fmnist_dir, run), capsys, monkeypatch)
+    assert not (run / "report.json").exists()
 
     code, _, err = run_cli(tiny_args(fmnist_dir, run, "--resume"), capsys, monkeypatch)
     assert code == 0, err

@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from opacus.accountants import RDPAccountant
 from safetensors.torch import save_file
 
-import peradapt.federation.engine as engine
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
-from peradapt.cli import main
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError
@@ -27,7 +25,7 @@ from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.privacy import PoissonBatches, PrivateTraining, epsilon, private_training
 
 from .conftest import TINY_VIT
-from .test_cli import Crash, expect_user_error, results, run_cli
+from .test_cli import crash_after_round, expect_user_error, results, run_cli, run_main
 
 VIT = TINY_VIT
 SIGMA, CLIP, DELTA, BATCH = 1.0, 1.0, 1e-5, 16
@@ -54,9 +52,7 @@ def dp_args(fmnist_dir: Path, weights: Path, out: Path, *extra: str) -> list[str
 def dp_run(tmp_path_factory, fmnist_dir, vit_weights) -> Path:
     """One uninterrupted DP run, shared by the tests that read it."""
     run = tmp_path_factory.mktemp("dp") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sys, "argv", ["peradapt", *dp_args(fmnist_dir, vit_weights, run)])
-        main()
+    run_main(dp_args(fmnist_dir, vit_weights, run))
     return run
 
 
@@ -313,17 +309,7 @@ def test_a_dp_run_resumed_after_a_crash_ends_with_identical_files(
     dp_run, fmnist_dir, vit_weights, tmp_path, capsys, monkeypatch
 ):
     run = tmp_path / "crashed"
-    save_round = engine._save_round
-
-    def save_then_crash(session, global_state, history, paths):
-        save_round(session, global_state, history, paths)
-        if len(history) == 1:
-            raise Crash
-
-    monkeypatch.setattr(engine, "_save_round", save_then_crash)
-    with pytest.raises(Crash):
-        run_cli(dp_args(fmnist_dir, vit_weights, run), capsys, monkeypatch)
-    monkeypatch.setattr(engine, "_save_round", save_round)
+    crash_after_round(1, dp_args(fmnist_dir, vit_weights, run), capsys, monkeypatch)
     code, _, err = run_cli(dp_args(fmnist_dir, vit_weights, run, "--resume"), capsys, monkeypatch)
     assert code == 0, err
     assert "after round 1" in err

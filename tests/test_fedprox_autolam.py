@@ -23,7 +23,7 @@ from peradapt.personalize.base import PERSONAL_KEY
 from peradapt.personalize.fedprox import FedProx
 from peradapt.personalize.perada import PerAda, PerAdaNoKD
 
-from .test_cli import results, run_cli, tiny_args
+from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, perturbed, tiny_trainer
 
 # ---------------------------------------------------------------- FedProx client step (eq. 11) and server step (eq. 10)
@@ -279,26 +279,13 @@ def test_cli_lam_auto_records_the_estimate_and_trains_with_it(auto_run):
     assert f"H_hat={record['h_hat']:.4g}" in err and f"regime {record['regime']}" in err
 
 
-class Crash(Exception):
-    pass
-
-
 def test_resume_reuses_the_saved_lam_without_estimating_again(
     auto_run, tmp_path, fmnist_dir, capsys, monkeypatch, home
 ):
     finished, code, err = auto_run
     assert code == 0, err
     run = tmp_path / "crashed"
-    save_round = engine._save_round
-
-    def save_then_crash(session, global_state, history, paths):
-        save_round(session, global_state, history, paths)
-        raise Crash
-
-    monkeypatch.setattr(engine, "_save_round", save_then_crash)
-    with pytest.raises(Crash):
-        run_cli(tiny_args(fmnist_dir, run, *AUTO), capsys, monkeypatch)
-    monkeypatch.setattr(engine, "_save_round", save_round)
+    crash_after_round(1, tiny_args(fmnist_dir, run, *AUTO), capsys, monkeypatch)
 
     def no_estimate(*args, **kwargs):
         raise AssertionError("a resumed run must not estimate lam again")

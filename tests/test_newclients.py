@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from peradapt.cli import main
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError
 from peradapt.personalize import METHODS
@@ -19,7 +17,7 @@ from peradapt.personalize.partial import PartialModel
 from peradapt.runs import open_run
 
 from .conftest import TINY_BACKBONE
-from .test_cli import run_cli, tiny_args
+from .test_cli import run_cli, run_main, tiny_args
 
 HELD_OUT = 3  # tiny_args has --clients 4: --holdout-clients 1 keeps the last id out
 
@@ -28,10 +26,7 @@ HELD_OUT = 3  # tiny_args has --clients 4: --holdout-clients 1 keeps the last id
 def holdout_run(tmp_path_factory, pretrained_home, fmnist_dir) -> Path:
     """A tiny PerAda run with client 3 held out."""
     run = tmp_path_factory.mktemp("runs") / "holdout"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERADAPT_HOME", str(pretrained_home))
-        patch.setattr(sys, "argv", ["peradapt", *tiny_args(fmnist_dir, run, "--holdout-clients", "1")])
-        main()
+    run_main(tiny_args(fmnist_dir, run, "--holdout-clients", "1"), pretrained_home)
     return run
 
 

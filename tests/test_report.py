@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from peradapt.cli import main
-
-from .test_cli import run_cli, tiny_args
+from .test_cli import run_cli, run_main, tiny_args
 
 ROUNDS_PNG = (1300, 480)  # ROUNDS_SIZE at DPI
 PER_CLIENT_PNG = (1200, 500)
@@ -30,11 +27,8 @@ def runs(tmp_path_factory, pretrained_home, fmnist_dir) -> tuple[Path, Path]:
         ["personalize", "--run", str(perada), "--new-client", "3"],
         tiny_args(fmnist_dir, fedavg, "--rounds", "2", "--method", "fedavg"),
     ]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERADAPT_HOME", str(pretrained_home))
-        for args in commands:
-            patch.setattr(sys, "argv", ["peradapt", *args])
-            main()
+    for args in commands:
+        run_main(args, pretrained_home)
     return perada, fedavg
 
 

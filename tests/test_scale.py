@@ -30,7 +30,7 @@ from peradapt.federation import store as store_module
 from peradapt.federation.store import DiskClientStore
 
 from .conftest import idx_bytes
-from .test_cli import results, run_cli, tiny_args
+from .test_cli import results, run_cli, run_main, tiny_args
 
 
 class Crash(Exception):
@@ -209,10 +209,7 @@ def two_rounds(fmnist_dir: Path, run: Path, *extra: str) -> list[str]:
 def memory_run(tmp_path_factory, pretrained_home, fmnist_dir):
     """The 4 clients' state in memory: `auto` below the threshold."""
     run = tmp_path_factory.mktemp("runs") / "memory"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PERADAPT_HOME", str(pretrained_home))
-        patch.setattr(sys, "argv", ["peradapt", *two_rounds(fmnist_dir, run)])
-        main()
+    run_main(two_rounds(fmnist_dir, run), pretrained_home)
     assert json.loads((run / "config.json").read_text())["resolved"]["client_store"] == "memory"
     return run
 
