@@ -85,9 +85,10 @@ def evaluate_adapters(
     `global_test_clients` are scored on `global_test` too: |global_test| images each, the expensive part; when they
     are not all of `clients`, the result lists them under `global_test_clients`.
 
-    Clients in a row that share one state object (the global adapter; the initial adapter of every client that a
-    method keeps no state for) are scored in one inference pass over their test splits, and a state that comes back
-    (the initial adapter between clients with states of their own) is scored on `global_test` once.
+    `personalized` is asked once for each client, in the order of `clients` (the engine exports the adapters as
+    they come). Clients in a row that share one state object (the global adapter; the initial adapter of every
+    client that a method keeps no state for) are scored in one inference pass over their test splits, and a state
+    that comes back (the initial adapter between clients with states of their own) is scored on `global_test` once.
     """
     local_personal: list[float] = []
     global_personal: dict[int, float] = {}

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from peradapt.adapters import AdapterState
+from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
@@ -305,49 +305,43 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
 def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console, clients: Clients) -> dict:
     federated, rounds = session.federated_clients, session.config.federation.rounds
     with progress_display(console) as progress:
-        evaluated = progress.add_task("final evaluation", total=len(federated))
+        finished = progress.add_task("final evaluation and export", total=len(federated))
+        # Each personalized adapter is asked for once (under Flower, fetched from its node once): scored and saved.
+        personalized = clients.personalized(federated, global_state, played=rounds, checkpointed=rounds)
         evaluation = _evaluate(
             session,
-            clients.personalized(federated, global_state, played=rounds, checkpointed=rounds),
+            exporting(session.model, personalized, paths.root),
             global_state,
             federated,
             global_test_clients={c.client_id for c in session.client_sample},
-            on_client=lambda: progress.advance(evaluated),
+            on_client=lambda: progress.advance(finished),
         )
-        exported = progress.add_task("adapters exported", total=len(federated) + 1)
-        export_adapters(
-            session,
-            clients.personalized(federated, global_state, played=rounds, checkpointed=rounds),
-            global_state,
-            paths.root,
-            on_adapter=lambda: progress.advance(exported),
-        )
+        session.model.save_pretrained(paths.global_adapter, global_state)
     report = build_report(session, evaluation)
     write_json_atomic(paths.report, report)
     return report
 
 
-def export_adapters(
-    session: Session,
-    personalized: Callable[[int], AdapterState],
-    global_state: dict,
-    directory: Path,
-    on_adapter: Callable[[], None] = lambda: None,
-) -> None:
-    """Every federated client's personalized adapter and the global adapter, in PEFT layout.
+def exporting(
+    model: AdaptedModel, personalized: Callable[[int], AdapterState], directory: Path
+) -> Callable[[int], AdapterState]:
+    """`personalized`, which also writes each client's adapter as it is asked for, in PEFT layout, to
+    `directory/clients/<id>/`.
 
-    Clients in a row with the same state object (e.g. never-sampled ones: the initial adapter) share one
+    Clients asked for in a row with the same state object (e.g. never-sampled ones: the initial adapter) share one
     serialization: with many clients, writing files is then all that is left to do for most of them.
     """
-    model, shared, files = session.model, None, {}
-    for client in session.federated_clients:
-        state = personalized(client.client_id)
-        if state is not shared:
-            shared, files = state, model.saved_files(state)
-        write_files(directory / "clients" / str(client.client_id), files)
-        on_adapter()
-    model.save_pretrained(directory / "global", global_state)
-    on_adapter()
+    last_state, files = None, {}
+
+    def personalized_and_exported(client_id: int) -> AdapterState:
+        nonlocal last_state, files
+        state = personalized(client_id)
+        if state is not last_state:
+            last_state, files = state, model.saved_files(state)
+        write_files(directory / "clients" / str(client_id), files)
+        return state
+
+    return personalized_and_exported
 
 
 def build_report(session: Session, evaluation: dict) -> dict:
