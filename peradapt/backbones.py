@@ -37,6 +37,7 @@ from peradapt.hf import (
     hf_pretrained_weights,
     is_hf,
 )
+from peradapt.small_inputs import use_small_input_convolutions
 
 # Narrow ResNets with the paper's block layout, for CPU-sized runs and tests. Registered with timm so that
 # `timm.create_model("resnet18_w16")` works in any code that imported peradapt.
@@ -162,9 +163,10 @@ def classifier_name(model: nn.Module) -> str:
 
 
 def freeze(model: nn.Module) -> nn.Module:
+    """No parameter of `model` trains; its frozen convolutions compute small feature maps as a matrix product."""
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    return model
+    return use_small_input_convolutions(model)
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

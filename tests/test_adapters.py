@@ -262,6 +262,7 @@ def test_adapter_dropout_keeps_1_minus_p_of_the_elements_scaled_and_follows_the_
 
 def test_adapter_dropout_draws_every_mask_element_independently():
     # Neighbours in memory come from the same 64-bit draw: they must still be independent of each other.
-    mask = keep_mask(torch.empty(400_000), 0.5).view(-1, 4).float()
+    mask = keep_mask(torch.empty(400_000), 0.5).view(-1, 4)
+    assert set(mask.unique().tolist()) == {0.0, 1.0}
     pairs = torch.corrcoef(mask.T)
     assert (pairs - torch.eye(4)).abs().max().item() < 0.01
