@@ -2,10 +2,14 @@
 
     python benchmarks/step_before_after.py [--threads N] [--repeats R]
 
-Before: inputs and weights in contiguous (NCHW) memory, `nn.Dropout` and a 1x1 `nn.Conv2d` in every residual
-adapter, as peradapt had them. After: channels-last inputs and weights, `AdapterDropout` and `ChannelProjection`
-(`peradapt.adapters.branch`). Both run `LocalTrainer.sgd` with an anchor on the same batches; the figure is images
-per second of each, and their ratio, medians over the repetitions (see bench.py).
+Three versions of the same model, all running `LocalTrainer.sgd` with an anchor on the same batches:
+- before: inputs and weights in contiguous (NCHW) memory, `nn.Dropout` and a 1x1 `nn.Conv2d` in every residual
+  adapter, plain `nn.Conv2d` in the backbone, as peradapt had them;
+- channels-last: channels-last inputs and weights, `AdapterDropout` and `ChannelProjection`
+  (`peradapt.adapters.branch`, commit e2b5111), plain `nn.Conv2d` in the backbone;
+- after: as peradapt runs now, the frozen backbone's convolutions also `SmallInputConv2d`
+  (`peradapt.small_inputs`: 2x2 and 1x1 feature maps as one matrix product).
+The figures are images per second of each and ratios to before, medians over the repetitions (see bench.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection
 from peradapt.federation.local import InputPipeline, LocalTrainer
+from peradapt.small_inputs import SmallInputConv2d
 
 
 class ContiguousPipeline(InputPipeline):
@@ -26,9 +31,16 @@ class ContiguousPipeline(InputPipeline):
         return super().__call__(images, generator).contiguous()
 
 
+def plain_convolutions(trainer: LocalTrainer) -> LocalTrainer:
+    for module in trainer.model.module.modules():
+        if isinstance(module, SmallInputConv2d):
+            module.__class__ = nn.Conv2d
+    return trainer
+
+
 def before(trainer: LocalTrainer) -> LocalTrainer:
     """The same model in the layout and with the modules of before."""
-    trainer.model.module.to(memory_format=torch.contiguous_format)
+    plain_convolutions(trainer).model.module.to(memory_format=torch.contiguous_format)
     for module in trainer.model.module.modules():
         if isinstance(module, AdapterDropout):
             module.__class__ = nn.Dropout
@@ -46,7 +58,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     settings = Settings()
     data = random_images(settings.batch_size * settings.step_batches, settings, seed=1)
-    trainers = {"before": before(adapted_trainer(settings)), "after": adapted_trainer(settings)}
+    trainers = {
+        "before": before(adapted_trainer(settings)),
+        "channels-last": plain_convolutions(adapted_trainer(settings)),
+        "after": adapted_trainer(settings),
+    }
     start, anchor = trainers["after"].model.state(), perturbed(trainers["after"].model, seed=2)
 
     def step(trainer: LocalTrainer) -> None:
@@ -54,8 +70,9 @@ def main() -> None:
 
     times = interleaved({name: (lambda t=t: step(t)) for name, t in trainers.items()}, args.repeats)
     for name, seconds in times.items():
-        print(f"{name}: {len(data) / statistics.median(seconds):.1f} images/s")
-    print(f"after / before: {median_ratio(times['before'], times['after']):.3f} (threads {args.threads})")
+        speedup = median_ratio(times["before"], seconds)
+        print(f"{name}: {len(data) / statistics.median(seconds):.1f} images/s, {speedup:.3f}x before")
+    print(f"threads: {args.threads}")
 
 
 if __name__ == "__main__":
