@@ -72,7 +72,8 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     torch.manual_seed(config.seed)
     model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
     train_set, held_out = _hold_out(images, config.seed)
-    inputs = InputPipeline(source.mean, source.std, device, augment=True)
+    image_size = fixed_image_size(config.backbone) or images.images.shape[-1]
+    inputs = InputPipeline(source.mean, source.std, device, augment=True, image_size=image_size)
     optimizer, lr = _optimizer(model, config)
     steps_per_epoch = -(-len(train_set) // config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -102,7 +103,7 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     info = BackboneInfo(
         backbone=config.backbone,
         in_chans=images.images.shape[1],
-        image_size=images.images.shape[-1],
+        image_size=image_size,
         mean=source.mean,
         std=source.std,
         source=f"peradapt pretrain on {config.data} ({len(train_set)} images, {config.epochs} epochs)",

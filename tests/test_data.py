@@ -17,6 +17,7 @@ from peradapt.data import (
     ImageSet,
     PartitionSpec,
     build_federation,
+    fit_images,
     fixed_splits,
     iterate_minibatches,
     label_histograms,
@@ -328,7 +329,8 @@ def test_cifar_federation_distills_on_the_other_cifar(tmp_path: Path) -> None:
     assert len(fed.val) == 3 and sum(len(client.train) for client in fed.clients) == 27
     assert fed.kd.labels is None and fed.kd.images.shape == (30, 3, 32, 32)
     digits_kd = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="digits")
-    assert digits_kd.kd.images.shape == (1797, 3, 32, 32)
+    assert digits_kd.kd.images.shape == (1797, 3, 8, 8)  # stored as small as they come, in the run's channels
+    assert digits_kd.image_size == 32
     with pytest.raises(ConfigError, match="no unlabeled KD split"):
         build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="cifar10")
     with pytest.raises(DataError, match="no pretraining split: pass --weights FILE"):
@@ -357,6 +359,40 @@ def test_resize_converts_size_and_channels() -> None:
     assert torch.all(resize_images(red, 4, 1) == round(0.299 * 255))
     with pytest.raises(ConfigError):
         resize_images(red, 4, 2)
+
+
+def test_images_are_stored_no_larger_than_the_model_takes_them() -> None:
+    """Larger images are resized for storage, smaller ones keep their size (and bytes) and get the channels."""
+    images = torch.randint(0, 256, (3, 1, 12, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fit_images(images, 8, 3), resize_images(images, 8, 3))
+    kept = fit_images(images, 224, 3)
+    assert kept.shape == (3, 3, 12, 12) and torch.equal(kept, images.expand(-1, 3, -1, -1))
+    assert fit_images(images, 12, 1) is images
+
+
+def test_model_input_scales_small_images_as_stored_resizing_would() -> None:
+    """The model sees a 12 px set at 28 px as if it had been resized up front, bar the rounding of stored bytes."""
+    images = torch.randint(0, 256, (4, 3, 12, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    scaled = to_model_input(images, mean, std, "cpu", size=28)
+    stored = to_model_input(resize_images(images, 28, 3), mean, std, "cpu")
+    assert scaled.shape == (4, 3, 28, 28) and scaled.is_contiguous(memory_format=torch.channels_last)
+    half_a_byte = 0.5 / 255 / min(std)
+    torch.testing.assert_close(scaled, stored, rtol=0, atol=half_a_byte * 1.001)
+    assert torch.equal(to_model_input(images, mean, std, "cpu", size=12), to_model_input(images, mean, std, "cpu"))
+
+
+@pytest.mark.usefixtures("skip_cifar_md5")
+def test_cifar_for_a_224_px_model_is_stored_at_32_px(tmp_path: Path) -> None:
+    """A ViT's 224 px: the run's image size says 224, the stored images keep CIFAR's 32 px (49x fewer bytes)."""
+    write_cifar(tmp_path, "cifar10", seed=1)
+    write_cifar(tmp_path, "cifar100", seed=2)
+    fed = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, image_size=224)
+    assert fed.image_size == 224
+    stored = [fed.val, fed.kd, fed.global_test, *(client.train for client in fed.clients)]
+    assert all(part.images.shape[1:] == (3, 32, 32) for part in stored)
+    smaller = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, image_size=16)
+    assert smaller.image_size == 16 and smaller.kd.images.shape[1:] == (3, 16, 16)
 
 
 def test_image_set_subset_keeps_labels_aligned() -> None:
@@ -460,7 +496,7 @@ def test_fmnist_federation_errors_and_kd_choices() -> None:
     digits = build_federation(
         "fmnist", None, num_clients=2, partition="iid", seed=0, limit_samples=50, kd_data="digits"
     )
-    assert digits.kd.images.shape == (50, 1, 28, 28)
+    assert digits.kd.images.shape == (50, 1, 8, 8) and digits.image_size == 28  # scaled up batch by batch
     with pytest.raises(ConfigError, match="unknown --kd-data"):
         build_federation("fmnist", None, num_clients=2, partition="iid", seed=0, kd_data="imagenet")
     with pytest.raises(ConfigError, match="cannot be federated"):

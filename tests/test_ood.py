@@ -64,7 +64,8 @@ def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
     parts = ood_set.parts
     assert "Fashion-MNIST" in ood_set.provenance
     assert [(p.corruption, p.severity) for p in parts] == [(c, s) for c in GRAYSCALE_CORRUPTIONS for s in SEVERITIES]
-    assert all(p.images.images.shape == (20, 3, 32, 32) and len(p.images.labels) == 20 for p in parts)
+    # The run's channels; Fashion-MNIST's 28 px kept, the model's inputs scale them to the run's 32 px.
+    assert all(p.images.images.shape == (20, 3, 28, 28) and len(p.images.labels) == 20 for p in parts)
     cached = sorted(tmp_path.rglob("*.npz"))
     assert len(cached) == len(GRAYSCALE_CORRUPTIONS)
     # A second load reads the cache: make it recognizable, and check it is what comes back.

@@ -11,7 +11,7 @@ from peradapt.data.federation import (
     has_pretraining_split,
     pretraining_split,
 )
-from peradapt.data.images import Grouping, ImageSet, SourceData, resize_images
+from peradapt.data.images import Grouping, ImageSet, SourceData, fit_images, resize_images
 from peradapt.data.partition import (
     PartitionSpec,
     label_histograms,
@@ -32,6 +32,7 @@ __all__ = [
     "PartitionSpec",
     "SourceData",
     "build_federation",
+    "fit_images",
     "fixed_splits",
     "has_pretraining_split",
     "iterate_minibatches",

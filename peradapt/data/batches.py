@@ -10,9 +10,14 @@ import torch.nn.functional as F
 
 
 def to_model_input(
-    images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float], device: torch.device | str
+    images_uint8: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: torch.device | str,
+    size: int | None = None,
 ) -> torch.Tensor:
-    """``(x / 255 - mean) / std`` as float32 on ``device``, in channels-last memory order.
+    """``(x / 255 - mean) / std`` as float32 on ``device``, in channels-last memory order, scaled to
+    ``size``×``size`` if given (images are stored no larger than the model takes them: `peradapt.data.images`).
 
     Channels-last is the layout oneDNN and cuDNN convolve fastest, and the one the residual adapters' 1x1
     projections multiply in place (`peradapt.adapters.branch`); convolutions keep it from layer to layer.
@@ -25,6 +30,10 @@ def to_model_input(
     scale, shift = _affine_normalization(tuple(mean), tuple(std), device)
     # Moving uint8 before converting sends a quarter of the bytes to the device.
     pixels = images_uint8.to(device, non_blocking=True).to(torch.float32, memory_format=torch.channels_last)
+    if size is not None and pixels.shape[2:] != (size, size):
+        # As `resize_images` would have stored them, on the device and without rounding to bytes in between.
+        pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        pixels = pixels.contiguous(memory_format=torch.channels_last)
     return torch.addcmul(shift, pixels, scale)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from peradapt.data.images import ImageSet, SourceData, resize_images
+from peradapt.data.images import ImageSet, SourceData, fit_images
 from peradapt.data.officehome import DOMAINS as OFFICE_HOME_DOMAINS
 from peradapt.data.partition import (
     PartitionSpec,
@@ -59,12 +59,12 @@ class FederatedData:
     dataset: str
     num_classes: int
     channels: int
-    image_size: int
+    image_size: int  # the model's input size; sets smaller than it are stored smaller (see data.images)
     mean: tuple[float, ...]
     std: tuple[float, ...]
     clients: list[ClientData]
     val: ImageSet  # labeled server validation split: selects the distilled global adapter
-    kd: ImageSet  # unlabeled distillation data, already at image_size and channels
+    kd: ImageSet  # unlabeled distillation data, stored for image_size and with the source's channels
     global_test: ImageSet  # union of all clients' test splits
     partition: dict[str, Any]  # JSON-ready record of the partition, as written to partition.json
 
@@ -150,7 +150,7 @@ def build_federation(
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
-    ``image_size`` resizes every image (default: see ``load_source``). ``saved_partition`` (a previous
+    ``image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
     ``FederatedData.partition``) is reused instead of partitioning anew.
     """
     spec = parse_partition(partition)
@@ -161,6 +161,7 @@ def build_federation(
     if spec.kind == "domain":
         _check_domain_clients(dataset, num_clients)
     source = load_source(dataset, data_dir, download, image_size)
+    image_size = image_size or source.train.images.shape[-1]
     splits = _source_splits(source, limit_samples)
     pool = source.train.subset(splits.pool)
     test = (source.train if source.test is None else source.test).subset(splits.test)
@@ -199,12 +200,12 @@ def build_federation(
         dataset=dataset,
         num_classes=pool.num_classes,
         channels=source.train.images.shape[1],
-        image_size=source.train.images.shape[-1],
+        image_size=image_size,
         mean=source.mean,
         std=source.std,
         clients=clients,
         val=source.train.subset(splits.val),
-        kd=_kd_images(kd_source, source, splits, data_dir, download, limit_samples),
+        kd=_kd_images(kd_source, source, image_size, splits, data_dir, download, limit_samples),
         global_test=test.subset(np.sort(np.concatenate(test_parts))),
         partition=record,
     )
@@ -274,6 +275,7 @@ def _kd_source_name(dataset: str, kd_data: str) -> str:
 def _kd_images(
     kd_source: str,
     source: SourceData,
+    image_size: int,
     splits: FixedSplits,
     data_dir: Path | str | None,
     download: bool,
@@ -288,10 +290,8 @@ def _kd_images(
             raise DataError(f"--kd-data {kd_source}: {err}; or distill on other data, e.g. --kd-data digits") from err
         order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(other))
         images = other.images[_head_sorted(order, limit_samples)]
-    channels, image_size = source.train.images.shape[1], source.train.images.shape[-1]
-    return ImageSet(
-        images=resize_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes
-    )
+    channels = source.train.images.shape[1]
+    return ImageSet(images=fit_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes)
 
 
 def _client_record(client: ClientData, pool_labels: np.ndarray, test_labels: np.ndarray, num_classes: int) -> dict:

@@ -12,7 +12,8 @@
 - ``imagefolder:PATH``: ``PATH/<class>/<image files>``, one sub-folder per class, named by the class index
   (``0``, ``1``, ...) or by the class name of the run's dataset (case and punctuation ignored).
 
-Every part comes in the run's image format (size and channels), resized with ``resize_images``.
+Every part comes with the run's channels, stored for the run's image size (``fit_images``: arrays larger than the
+model's input resized, smaller ones scaled up batch by batch; image files resized to it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peradapt.data.images import ImageSet, resize_images
+from peradapt.data.images import ImageSet, fit_images, resize_images
 from peradapt.data.sources import load_source
 from peradapt.errors import ConfigError, DataError
 
@@ -278,7 +279,7 @@ def _subset_indices(count: int, limit: int | None, seed: int) -> np.ndarray:
 
 def _in_run_format(images: torch.Tensor, labels: torch.Tensor, target: OodTarget) -> ImageSet:
     return ImageSet(
-        images=resize_images(images, target.image_size, target.channels),
+        images=fit_images(images, target.image_size, target.channels),
         labels=labels.to(torch.int64),
         num_classes=target.num_classes,
     )

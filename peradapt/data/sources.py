@@ -40,9 +40,9 @@ DECODED_IMAGE_SIZE = 224
 def load_source(
     name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None
 ) -> SourceData:
-    """Load the source called ``name`` (one of ``SOURCE_NAMES``), its images resized to ``image_size`` if given.
-
-    Without ``image_size``, datasets that ship as arrays keep their native size and image files are decoded at
+    """Load the source called ``name`` (one of ``SOURCE_NAMES``), its images stored for a model of ``image_size``
+    px if given: image files decoded at that size, arrays larger than it resized, smaller ones kept (see
+    `fit_images`). Without ``image_size``, arrays keep their native size and image files are decoded at
     DECODED_IMAGE_SIZE.
     """
     path = None if data_dir is None else Path(data_dir)
@@ -53,7 +53,7 @@ def load_source(
     if loader is None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
     source = loader(path, download)
-    return source if image_size is None else source.resized(image_size)
+    return source if image_size is None else source.fitted(image_size)
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -25,17 +25,19 @@ if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modul
 
 @dataclass
 class InputPipeline:
-    """Turns stored uint8 images into normalized model inputs on the model's device."""
+    """Turns stored uint8 images into normalized model inputs on the model's device, at the model's `image_size`
+    (None: as stored). Augmentation crops and flips the images at their stored size."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
     device: torch.device
     augment: bool = False
+    image_size: int | None = None
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if self.augment and generator is not None:
             images = random_crop_flip(images, generator)
-        return to_model_input(images, self.mean, self.std, self.device)
+        return to_model_input(images, self.mean, self.std, self.device, self.image_size)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.device.type == "cuda":

@@ -184,6 +184,7 @@ def build_session(
         _per_channel(info.std, data.channels),
         device,
         augment=config.data.data in AUGMENTED_DATASETS,
+        image_size=data.image_size,
     )
     trainer = LocalTrainer(model, inputs, config.method.batch_size, privacy=private_training(config, model))
     distiller = None
