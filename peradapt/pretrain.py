@@ -61,18 +61,15 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     """Train the backbone; returns where it was stored and its accuracy on held-out pretraining images."""
     console = console or Console(stderr=True)
     config.validate()
+    vit_size = fixed_image_size(config.backbone)  # a ViT's resolution; ResNets train at the native size
     images, source = pretraining_split(
-        config.data,
-        config.data_dir,
-        limit_samples=config.limit_samples,
-        download=config.download,
-        image_size=fixed_image_size(config.backbone),  # a ViT's resolution; ResNets train at the native size
+        config.data, config.data_dir, limit_samples=config.limit_samples, download=config.download, image_size=vit_size
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
     train_set, held_out = _hold_out(images, config.seed)
-    image_size = fixed_image_size(config.backbone) or images.images.shape[-1]
+    image_size = vit_size or images.images.shape[-1]
     inputs = InputPipeline(source.mean, source.std, device, augment=True, image_size=image_size)
     optimizer, lr = _optimizer(model, config)
     steps_per_epoch = -(-len(train_set) // config.batch_size)

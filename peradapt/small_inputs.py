@@ -15,6 +15,7 @@ stride, padding, padding mode, dilation and groups are handled by the convolutio
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -31,7 +32,8 @@ class SmallInputConv2d(nn.Conv2d):
         batch, _, height, width = x.shape
         dense, out_height, out_width = self._dense_map(height, width, x.device)
         # [N, H, W, C] flattened: a view of channels-last inputs, which is what peradapt feeds its models.
-        flat = torch.nn.functional.linear(x.permute(0, 2, 3, 1).reshape(batch, -1), dense, self._dense_bias())
+        bias = None if self.bias is None else self.bias.repeat(out_height * out_width)  # one per output pixel
+        flat = F.linear(x.permute(0, 2, 3, 1).reshape(batch, -1), dense, bias)
         return flat.view(batch, out_height, out_width, self.out_channels).permute(0, 3, 1, 2)
 
     def _dense_pays(self, x: torch.Tensor) -> bool:
@@ -54,12 +56,6 @@ class SmallInputConv2d(nn.Conv2d):
             self._dense_key, self._dense_size = key, (response.shape[-2], response.shape[-1])
         assert self._dense is not None
         return self._dense, *self._dense_size
-
-    def _dense_bias(self) -> torch.Tensor | None:
-        if self.bias is None:
-            return None
-        out_height, out_width = self._dense_size
-        return self.bias.repeat(out_height * out_width)
 
 
 def use_small_input_convolutions(model: nn.Module) -> nn.Module:

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from peradapt.data.images import scale_pixels
+
 
 def to_model_input(
     images_uint8: torch.Tensor,
@@ -32,8 +34,7 @@ def to_model_input(
     pixels = images_uint8.to(device, non_blocking=True).to(torch.float32, memory_format=torch.channels_last)
     if size is not None and pixels.shape[2:] != (size, size):
         # As `resize_images` would have stored them, on the device and without rounding to bytes in between.
-        pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-        pixels = pixels.contiguous(memory_format=torch.channels_last)
+        pixels = scale_pixels(pixels, size).contiguous(memory_format=torch.channels_last)
     return torch.addcmul(shift, pixels, scale)
 
 

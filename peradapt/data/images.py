@@ -121,13 +121,21 @@ def resize_images(images: torch.Tensor, size: int | None, channels: int) -> torc
     return torch.cat([_resize_chunk(chunk, size, channels) for chunk in images.split(_RESIZE_CHUNK)])
 
 
+def scale_pixels(pixels: torch.Tensor, size: int) -> torch.Tensor:
+    """Float ``[N, C, H, W]`` pixels at ``size``×``size`` (bilinear, antialiased when shrinking): how images are
+    stored smaller and how the model's inputs are scaled up, so that both give one picture."""
+    if pixels.shape[2:] == (size, size):
+        return pixels
+    return F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+
+
 def _resize_chunk(images: torch.Tensor, size: int | None, channels: int) -> torch.Tensor:
     pixels = images.to(torch.float32)
     if pixels.shape[1] == 3 and channels == 1:
         weights = pixels.new_tensor(_LUMA_WEIGHTS).view(1, 3, 1, 1)
         pixels = (pixels * weights).sum(dim=1, keepdim=True)
-    if size is not None and pixels.shape[2:] != (size, size):
-        pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+    if size is not None:
+        pixels = scale_pixels(pixels, size)
     resized = pixels.round_().clamp_(0, 255).to(torch.uint8)
     if resized.shape[1] == 1 and channels == 3:
         # Grey to colour by repetition: the backbone then sees the same intensity in every channel.
