@@ -14,6 +14,7 @@ from rich.table import Table
 from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
 from peradapt.errors import ConfigError, PeradaptError
 from peradapt.personalize import METHODS
+from peradapt.presets import PRESETS, preset_settings
 
 try:
     from typer import TyperException as UsageError  # typer >= 0.26, which vendors click
@@ -168,6 +169,68 @@ def train(
         ),
     ] = None,
     kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
+    kd_rounds: Annotated[
+        int | None,
+        Opt(
+            help="Distill only in the first N rounds, then only average (the authors' code: 30 of 200 on CIFAR-10); "
+            f"0: every round, as Algorithm 1. {_default('kd_rounds')}",
+            metavar="N",
+        ),
+    ] = None,
+    kd_mode: Annotated[
+        str | None,
+        Opt(
+            help="eval: teachers and student in inference mode (teacher logits computed once per round); train: "
+            "dropout on and BatchNorm on each distillation batch's statistics, the student's running statistics "
+            f"following the distillation data (the authors' code). {_default('kd_mode')}"
+        ),
+    ] = None,
+    kd_augment: Annotated[
+        str | None,
+        Opt(help=f"Distillation images: none, or crop-flip at every step (the authors'). {_default('kd_augment')}"),
+    ] = None,
+    kd_loss: Annotated[
+        str | None,
+        Opt(
+            help="softmax: KL of the softmaxes (the paper's σ, also for CheXpert's 5 labels); bernoulli: per-label "
+            f"KL of the sigmoids (multi-label tasks). {_default('kd_loss')}"
+        ),
+    ] = None,
+    kd_image_size: Annotated[
+        int | None,
+        Opt(
+            help="Distillation images at PX px (the authors' code: CIFAR-10 at 32 px for Office-Home and CheXpert) "
+            "\\[default: the model's input size].",
+            metavar="PX",
+        ),
+    ] = None,
+    kd_normalization: Annotated[
+        str | None,
+        Opt(
+            help="Distillation images normalized with the clients' data statistics (model) or the distillation "
+            f"set's own (own, the authors'). {_default('kd_normalization')}"
+        ),
+    ] = None,
+    kd_eval_every: Annotated[
+        int | None,
+        Opt(
+            help="Check the student on the validation split every N distillation steps, keeping the best "
+            "(the authors' code: 1; 10 on CheXpert) \\[default: 0: ten checks per round].",
+            metavar="N",
+        ),
+    ] = None,
+    kd_patience: Annotated[
+        int | None,
+        Opt(help="Stop distilling after N checks without a better student (0: never). \\[default: 0]", metavar="N"),
+    ] = None,
+    frozen_bn: Annotated[
+        str | None,
+        Opt(
+            help="The frozen backbone's BatchNorms during client training: eval (pretrained statistics) or train "
+            "(batch statistics, running statistics re-estimated on each client's data: the authors' code). "
+            f"{_default('frozen_bn')}"
+        ),
+    ] = None,
     eval_every: Annotated[
         int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")
     ] = None,
@@ -215,26 +278,65 @@ def train(
             metavar="PX",
         ),
     ] = None,
+    augment: Annotated[
+        str | None,
+        Opt(
+            help="Client training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or "
+            f"resized-crop (random 5-100% area crop + flip: the authors' CheXpert). {_default('augment')}"
+        ),
+    ] = None,
+    channels: Annotated[
+        int | None,
+        Opt(help="1 or 3: grey images as 3 equal channels, as the authors' CheXpert \\[default: the dataset's]."),
+    ] = None,
+    resize: Annotated[
+        str | None,
+        Opt(
+            help="Images decoded from files (office-home, chexpert): squeeze (whole image to a square) or "
+            f"center-crop (shorter side to the size, then the central square: the authors'). {_default('resize')}"
+        ),
+    ] = None,
+    normalization: Annotated[
+        str | None,
+        Opt(
+            help="Input statistics: auto (the backbone weights' own where known, else the data's) or data (the "
+            f"dataset's, as the authors' code does with torchvision weights). {_default('normalization')}"
+        ),
+    ] = None,
+    offline: Annotated[
+        bool | None,
+        Opt("--offline", help="Never fetch backbone weights from the hub: only the local cache (HF_HUB_OFFLINE=1)."),
+    ] = None,
     seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
     download: Annotated[bool | None, Opt("--download", help="Download missing datasets (needs a network).")] = None,
     out: Annotated[Path | None, Opt(help="Run directory \\[default: runs/DATA-METHOD-seedSEED].")] = None,
     resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    preset: Annotated[
+        str | None,
+        Opt(
+            help=f"Start from a paper preset: {', '.join(PRESETS)} (`peradapt info --preset NAME` shows its "
+            "settings); --config and flags win over it."
+        ),
+    ] = None,
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
     from peradapt.federation.engine import resume_config
     from peradapt.federation.engine import train as run_train
 
-    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "run_train", "resume_config")}
+    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "preset", "run_train", "resume_config")}
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
     if resume:
         if "out" not in overrides:
             raise ConfigError("--resume needs --out: the run directory to continue")
+        if preset or config:
+            raise ConfigError("--resume continues with the run's saved settings: drop --preset and --config")
         train_config = resume_config(Path(overrides["out"]), overrides)
     else:
-        values: dict[str, Any] = read_config_file(config) if config else {}
+        values: dict[str, Any] = preset_settings(preset) if preset else {}
+        values.update(read_config_file(config) if config else {})
         values.update(overrides)
         train_config = TrainConfig.from_flat(values)
     report = run_train(train_config, resume=resume, console=err_console)
@@ -246,7 +348,7 @@ def train(
         title += (
             f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
         )
-    out_console.print(results_table(report["summary"], title, report["metric"]))
+    out_console.print(results_table(report["summary"], title, report["metric"], report["selected_on_test"]))
     out_console.print(f"run directory: {train_config.out}")
 
 
@@ -373,8 +475,21 @@ def personalize(
 
 
 @app.command()
-def info(run: RunDir) -> None:
-    """Resolved config, partition statistics and trainable-parameter count of a run."""
+def info(
+    run: Annotated[
+        Path | None, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)
+    ] = None,
+    preset: Annotated[
+        str | None, Opt(help=f"Instead: what a paper preset sets ({', '.join(PRESETS)}).", show_default=False)
+    ] = None,
+) -> None:
+    """Resolved config, partition statistics and trainable-parameter count of a run, or a preset's settings."""
+    if (run is None) == (preset is None):
+        raise ConfigError("info takes --run DIR or --preset NAME (one of them)")
+    if preset is not None:
+        _print_preset(preset)
+        return
+    assert run is not None
     from peradapt.federation.session import read_partition, read_run_config
     from peradapt.runs import label_skew
 
@@ -428,6 +543,21 @@ def info(run: RunDir) -> None:
             f"δ = {dp.dp_delta:g}; {spent}",
             soft_wrap=True,
         )
+
+
+def _print_preset(name: str) -> None:
+    from peradapt.presets import preset_rows, read_preset
+
+    record = read_preset(name)
+    table = Table(title=f"preset {name}: `peradapt train --preset {name}` (flags win)")
+    for column in ("setting", "preset", "peradapt default", "why"):
+        table.add_column(column, overflow="fold")
+    for key, value, default, note in preset_rows(name):
+        table.add_row(f"--{key.replace('_', '-')}", str(value), "auto" if default is None else str(default), note)
+    console = out_console if out_console.is_terminal else Console(width=200)
+    console.print(record["description"], soft_wrap=True, highlight=False, markup=False)
+    console.print(table)
+    console.print(f"from the authors' {record['source']}", soft_wrap=True, highlight=False, markup=False)
 
 
 @app.command()

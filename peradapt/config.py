@@ -24,12 +24,19 @@ class DataConfig:
     limit_samples: int | None = None
     image_size: int | None = None  # None: a ViT's input size; else native, or 224 px for data decoded from files
     download: bool = False
+    # Client-training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or resized-crop
+    # (RandomResizedCrop to the model's size, area scale in [0.05, 1], + flip: the authors' CheXpert pipeline).
+    augment: str = "auto"
+    channels: int | None = None  # None: the dataset's own (1 for fmnist/chexpert); 3: grey repeated as RGB
+    resize: str = "squeeze"  # images decoded from files: squeeze (whole image to a square) or center-crop
 
 
 @dataclass
 class BackboneConfig:
-    backbone: str = "resnet18"  # a timm model name, or hf:PATH_OR_ID for a transformers image classifier
+    backbone: str = "resnet18"  # a timm model name (pretrained tag allowed), or hf:PATH_OR_ID
     weights: str | None = None
+    offline: bool = False  # never fetch hub weights: only what the local cache already holds
+    normalization: str = "auto"  # auto: the weights' own statistics where known, else the data's; data: the data's
 
 
 @dataclass
@@ -85,6 +92,9 @@ class MethodConfig:
     prior_eta: float = 0.05  # pFedBreD eta: meta-step on the memorized envelope gradient (meg, mh)
     apfl_alpha: float = 0.5  # APFL: initial mixing weight alpha_m^(0) of every client
     alpha_lr: float | None = None  # APFL: step size of alpha (Deng et al. eq. 10); None: --lr, 0: alpha fixed
+    # BatchNorms of the frozen backbone during client training: eval (pretrained statistics, Algorithm 1 trains
+    # adapters only) or train (batch statistics, running statistics re-estimated per client: the authors' code).
+    frozen_bn: str = "eval"
 
 
 @dataclass
@@ -95,6 +105,12 @@ class DistillConfig:
     kd_temperature: float = 1.0
     kd_eval_every: int = 0  # 0: ten validation checks per distillation
     kd_patience: int = 0  # 0: never stop early, only keep the best adapter
+    kd_rounds: int = 0  # distill only in the first N rounds, then only average (the authors' kd_max_round); 0: all
+    kd_mode: str = "eval"  # eval: teachers and student in inference mode; train: dropout and batch statistics on
+    kd_augment: str = "none"  # none, or crop-flip: distillation images randomly cropped and flipped every step
+    kd_loss: str = "softmax"  # softmax: KL of softmaxes (the paper's sigma); bernoulli: per-label KL (multi-label)
+    kd_image_size: int | None = None  # None: the model's input size; N: distillation images at N px
+    kd_normalization: str = "model"  # model: the client data's statistics; own: the distillation set's own
 
 
 @dataclass
@@ -244,10 +260,42 @@ class TrainConfig:
             raise ConfigError("--image-size must be at least 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
+        choices = {
+            "augment": (self.data.augment, AUGMENTATIONS),
+            "resize": (self.data.resize, RESIZES),
+            "normalization": (self.backbone.normalization, NORMALIZATIONS),
+            "frozen_bn": (method.frozen_bn, BN_MODES),
+            "kd_mode": (distill.kd_mode, BN_MODES),
+            "kd_augment": (distill.kd_augment, KD_AUGMENTATIONS),
+            "kd_loss": (distill.kd_loss, KD_LOSSES),
+            "kd_normalization": (distill.kd_normalization, KD_NORMALIZATIONS),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"unknown --{name.replace('_', '-')} '{value}': use {', '.join(allowed)}")
+        if self.data.channels not in (None, 1, 3):
+            raise ConfigError(f"--channels must be 1 or 3, got {self.data.channels}")
+        for name, size in (("kd_image_size", distill.kd_image_size),):
+            if size is not None and size < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {size}")
+        if distill.kd_eval_every < 0 or distill.kd_patience < 0 or distill.kd_rounds < 0:
+            raise ConfigError("--kd-eval-every, --kd-patience and --kd-rounds must not be negative")
+        if self.privacy.enabled and method.frozen_bn == "train":
+            raise ConfigError(
+                "--frozen-bn train normalizes each sample with its batch's statistics, which no per-sample clipping "
+                "bounds: differentially private training needs --frozen-bn eval"
+            )
         self.privacy.validate(lam_auto=method.lam_auto)
 
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
+AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
+RESIZES = ("squeeze", "center-crop")
+NORMALIZATIONS = ("auto", "data")
+BN_MODES = ("eval", "train")
+KD_AUGMENTATIONS = ("none", "crop-flip")
+KD_LOSSES = ("softmax", "bernoulli")
+KD_NORMALIZATIONS = ("model", "own")
 CLIENT_STORES = ("auto", "memory", "disk")
 ENGINES = ("builtin", "flower")
 _SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")

@@ -87,7 +87,7 @@ def test_ditto_server_update_is_the_sample_weighted_fedavg_mean():
     trainer = tiny_trainer()
     method = Ditto(context(trainer, trainer.model.state()))
     global_state = {"w": torch.zeros(2), "steps": torch.tensor(0)}
-    averaged, info = method.server_update(global_state, uploads_with_samples([1, 100, 10]), seed=0)
+    averaged, info = method.server_update(global_state, uploads_with_samples([1, 100, 10]), seed=0, round_index=0)
     # (1 * [1, 2] + 100 * [2, 4] + 10 * [6, 0]) / 111
     assert_close(averaged["w"], torch.tensor([261.0 / 111, 402.0 / 111]))
     assert averaged["steps"].item() == 4
@@ -210,7 +210,7 @@ def test_apfl_server_update_is_the_uniform_mean_of_equation_8():
     trainer = tiny_trainer()
     method = APFL(context(trainer, trainer.model.state()))
     global_state = {"w": torch.zeros(2), "steps": torch.tensor(0)}
-    averaged, info = method.server_update(global_state, uploads_with_samples([1, 100, 10]), seed=0)
+    averaged, info = method.server_update(global_state, uploads_with_samples([1, 100, 10]), seed=0, round_index=0)
     assert_close(averaged["w"], torch.tensor([3.0, 2.0]))
     assert averaged["steps"].item() == 4
     assert info == {}

@@ -84,7 +84,7 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
     ]
     updates = [ClientUpdate(i, u, n) for i, (u, n) in enumerate(zip(uploads, [1, 100], strict=True))]
 
-    stepped, info = method.server_update(global_state, updates, seed=0)
+    stepped, info = method.server_update(global_state, updates, seed=0, round_index=0)
 
     # w <- w - gamma/m sum_i lam (w - w_i): [1, 2] - 0.25 * 2 * ([-2, 0] + [1, -6]) / 2 = [1.25, 3.5]
     grads = [lam * (global_state["w"] - u["w"]) for u in uploads]
@@ -94,7 +94,7 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
     assert info == {}
 
     method.config.beta = 1.0  # gamma = 1/lam (the paper's MNIST setting): the mean of the personalized models
-    stepped, _ = method.server_update(global_state, updates, seed=0)
+    stepped, _ = method.server_update(global_state, updates, seed=0, round_index=0)
     assert_close(stepped["w"], torch.tensor([1.5, 5.0]))
 
 
@@ -314,7 +314,7 @@ class NoProximal(Method):
     def client_update(self, client, global_state, seed):
         raise AssertionError("never reached")
 
-    def server_update(self, global_state, updates, seed, on_step=None):
+    def server_update(self, global_state, updates, seed, round_index, on_step=None):
         raise AssertionError("never reached")
 
     def personalized(self, client_id, global_state):

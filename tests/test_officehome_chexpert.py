@@ -370,7 +370,7 @@ def test_multilabel_kd_loss_by_hand() -> None:
     assert multilabel_kd_loss(teacher, teacher, 1.0).item() == pytest.approx(0.0, abs=1e-7)
 
 
-def test_distiller_uses_the_multilabel_loss_for_multi_label_tasks(monkeypatch) -> None:
+def test_distiller_uses_the_per_label_loss_when_asked(monkeypatch) -> None:
     trainer = tiny_trainer()
     calls = []
 
@@ -380,9 +380,9 @@ def test_distiller_uses_the_multilabel_loss_for_multi_label_tasks(monkeypatch) -
 
     monkeypatch.setattr(kd_module, "multilabel_kd_loss", recording)
     kd_data = image_set(16, seed=2, labeled=False)
-    distiller = Distiller(trainer, kd_data, multi_hot_set(8, seed=3), DistillConfig(kd_steps=2, kd_batch_size=8))
-    teacher_logits = kd_module.ensemble_logits(trainer, [trainer.model.state()], kd_data)
-    _, info = distiller.distill(trainer.model.state(), teacher_logits, seed=0)
+    config = DistillConfig(kd_steps=2, kd_batch_size=8, kd_loss="bernoulli")
+    distiller = Distiller(trainer, kd_data, multi_hot_set(8, seed=3), config)
+    _, info = distiller.distill(trainer.model.state(), [trainer.model.state()], seed=0)
     assert calls == [(8, 3), (8, 3)] and 0.0 <= info["kd_val_after"] <= 1.0
 
 

@@ -217,7 +217,7 @@ def test_server_averages_only_the_shared_keys_weighted_by_samples():
     sizes = [1, 3, 6]
     updates = [ClientUpdate(i, u, n) for i, (u, n) in enumerate(zip(uploads, sizes, strict=True))]
 
-    new_global, info = method.server_update(global_state, updates, seed=0)
+    new_global, info = method.server_update(global_state, updates, seed=0, round_index=0)
 
     assert info == {} and new_global.keys() == global_state.keys()
     for key in global_state:

@@ -220,7 +220,8 @@ def test_nokd_server_update_is_the_uniform_mean_of_uploads():
         ClientUpdate(i, upload, num_samples)
         for i, (upload, num_samples) in enumerate(zip(uploads, [1, 100, 10], strict=True))
     ]
-    averaged, info = method.server_update({"w": torch.zeros(2), "steps": torch.tensor(0)}, updates, seed=0)
+    start = {"w": torch.zeros(2), "steps": torch.tensor(0)}
+    averaged, info = method.server_update(start, updates, seed=0, round_index=0)
     assert_close(averaged["w"], torch.tensor([3.0, 2.0]))
     assert averaged["steps"].item() == 4
     assert info == {}
@@ -287,7 +288,7 @@ def test_distillation_moves_the_student_towards_the_ensemble():
     def remember(step):
         last["step"], last["state"] = step, trainer.model.state()
 
-    best, info = distiller.distill(student, teacher_logits, seed=0, on_step=remember)
+    best, info = distiller.distill(student, teachers, seed=0, on_step=remember)
 
     def kl(state):
         return hand_kl(hand_logits(module, state, distiller.kd_data.images), teacher_logits).item()
@@ -310,9 +311,8 @@ def test_distillation_moves_the_student_towards_the_ensemble():
 def test_cached_teacher_logits_give_the_same_steps_as_recomputing_the_teachers():
     steps, seed, lr = 3, 7, 1e-2
     trainer, student, teachers, distiller = distill_problem(steps, kd_eval_every=1000)
-    teacher_logits = ensemble_logits(trainer, teachers, distiller.kd_data)
     captured = {}
-    distiller.distill(student, teacher_logits, seed=seed, on_step=lambda s: captured.update({s: trainer.model.state()}))
+    distiller.distill(student, teachers, seed=seed, on_step=lambda s: captured.update({s: trainer.model.state()}))
 
     # The same R Adam steps in plain torch, the teachers' ensemble recomputed on every batch.
     teacher_modules = [copy.deepcopy(trainer.model.module) for _ in teachers]

@@ -301,7 +301,7 @@ def test_server_step_is_a_beta_step_towards_the_uniform_mean(cls, beta, am, effe
     global_state, uploads, updates, floats, integers = server_problem(trainer)
     method = make(cls, trainer, beta=beta, am=am)
 
-    new_state, info = method.server_update(global_state, updates, seed=0)
+    new_state, info = method.server_update(global_state, updates, seed=0, round_index=0)
 
     assert info == {} and new_state.keys() == global_state.keys()
     for name in names_of(trainer):
@@ -316,8 +316,8 @@ def test_server_step_is_a_beta_step_towards_the_uniform_mean(cls, beta, am, effe
 def test_am_overrides_beta():
     trainer = tiny_trainer()
     global_state, _, updates, _, _ = server_problem(trainer)
-    plain, _ = make(PFedBreD, trainer, beta=1.0).server_update(global_state, updates, seed=0)
-    am, _ = make(PFedBreD, trainer, beta=1.0, am=True).server_update(global_state, updates, seed=0)
+    plain, _ = make(PFedBreD, trainer, beta=1.0).server_update(global_state, updates, seed=0, round_index=0)
+    am, _ = make(PFedBreD, trainer, beta=1.0, am=True).server_update(global_state, updates, seed=0, round_index=0)
     name = names_of(trainer)[0]
     assert_close(am[name], 2 * plain[name] - global_state[name], **TOL)  # w + 2 (mean - w)
     assert not torch.allclose(am[name], plain[name])

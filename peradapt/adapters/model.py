@@ -32,26 +32,39 @@ SCOPES = ("adapter", "full")
 FULL_MODEL_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+# `--frozen-bn train`: the frozen BatchNorms' running statistics, which PEFT does not save, beside the adapter.
+FROZEN_NORMS_FILE = "frozen_bn_statistics.safetensors"
 
 
 class AdaptedModel:
     """The shared model and what trains in it: adapters (scope `adapter`) or the whole network (scope `full`)."""
 
-    def __init__(self, module: nn.Module, kind: str, scope: str = "adapter") -> None:
+    def __init__(self, module: nn.Module, kind: str, scope: str = "adapter", frozen_bn: str = "eval") -> None:
+        """`frozen_bn`: how the frozen backbone's BatchNorms behave in training mode: `eval` (their pretrained
+        statistics; nothing of theirs trains) or `train` (batch statistics, with running statistics re-estimated
+        on each client's data, as `model.train()` on the whole network does in the PerAda authors' code). With
+        `train` their running statistics change with training, so they become part of every adapter state."""
+        if frozen_bn not in ("eval", "train"):
+            raise ConfigError(f"unknown --frozen-bn '{frozen_bn}': use eval or train")
         # The layout of the inputs `to_model_input` makes: weights in another would be reordered at every call.
         self.module = module.to(memory_format=torch.channels_last)
         self.kind = kind
         self.scope = scope
+        self.frozen_bn = frozen_bn
         self._parameters = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._buffers: dict[str, torch.Tensor] = {}
         self._frozen_norms: list[nn.Module] = []
+        self._frozen_norm_buffers: set[str] = set()  # in the state only with frozen_bn "train"
         for module_name, layer in module.named_modules():
             owns_trainable = any(p.requires_grad for p in layer.parameters(recurse=False))
-            if owns_trainable:
+            frozen_norm = not owns_trainable and isinstance(layer, _BatchNorm)
+            if frozen_norm:
+                self._frozen_norms.append(layer)
+            if owns_trainable or (frozen_norm and frozen_bn == "train"):
                 for buffer_name, buffer in layer.named_buffers(recurse=False):
                     self._buffers[f"{module_name}.{buffer_name}"] = buffer
-            elif isinstance(layer, _BatchNorm):
-                self._frozen_norms.append(layer)
+                    if frozen_norm:
+                        self._frozen_norm_buffers.add(f"{module_name}.{buffer_name}")
 
     @property
     def device(self) -> torch.device:
@@ -99,10 +112,12 @@ class AdaptedModel:
             raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
 
     def train(self) -> None:
-        """Training mode for adapters and trainable norms; the frozen backbone's BatchNorm keeps its statistics."""
+        """Training mode for adapters and trainable norms; the frozen backbone's BatchNorms keep their statistics
+        unless `frozen_bn` is `train`."""
         self.module.train()
-        for norm in self._frozen_norms:
-            norm.eval()
+        if self.frozen_bn == "eval":
+            for norm in self._frozen_norms:
+                norm.eval()
 
     def eval(self) -> None:
         self.module.eval()
@@ -137,7 +152,11 @@ class AdaptedModel:
         # loaded into the model), and the other files come from one save by PEFT, whose model card alone takes
         # ~40 ms: too long for thousands of clients.
         weights = {saved: state[name].detach().cpu().contiguous() for name, saved in self._saved_names.items()}
-        return {**self._layout_files, ADAPTER_WEIGHTS_FILE: save(weights, metadata={"format": "pt"})}
+        files = {**self._layout_files, ADAPTER_WEIGHTS_FILE: save(weights, metadata={"format": "pt"})}
+        if self._frozen_norm_buffers:
+            norms = {name: state[name].detach().cpu().contiguous() for name in sorted(self._frozen_norm_buffers)}
+            files[FROZEN_NORMS_FILE] = save(norms)
+        return files
 
     @functools.cached_property
     def _saved_names(self) -> dict[str, str]:
@@ -176,11 +195,27 @@ class AdaptedModel:
             result = set_peft_model_state_dict(self.module, weights)
         except RuntimeError as exc:  # shape mismatches
             raise WeightsError(f"adapter {path} does not fit this backbone: {str(exc).splitlines()[0]}") from None
-        missing = [k for k in result.missing_keys if k in self._parameters or k in self._buffers]
+        own = self._parameters.keys() | (self._buffers.keys() - self._frozen_norm_buffers)
+        missing = [k for k in result.missing_keys if k in own]
         if result.unexpected_keys or missing:
             example = (list(result.unexpected_keys) or missing)[:2]
             raise WeightsError(f"adapter {path} does not fit this model (e.g. {example})")
+        if self._frozen_norm_buffers:
+            self._load_frozen_norms(Path(directory) / FROZEN_NORMS_FILE)
         return self.state()
+
+    @torch.no_grad()
+    def _load_frozen_norms(self, path: Path) -> None:
+        if not path.is_file():
+            raise WeightsError(f"{path.parent} lacks {path.name}, which a --frozen-bn train adapter needs")
+        try:
+            statistics = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise WeightsError(f"cannot read {path} ({exc})") from None
+        if statistics.keys() != self._frozen_norm_buffers:
+            raise WeightsError(f"{path} holds statistics of other BatchNorms than this model's")
+        for name in self._frozen_norm_buffers:
+            self._buffers[name].copy_(statistics[name])
 
     def _load_full(self, path: Path) -> AdapterState:
         if not path.is_file():
@@ -206,12 +241,18 @@ def write_files(directory: Path, files: dict[str, bytes]) -> None:
 
 
 def inject_adapters(
-    backbone: nn.Module, kind: str, *, dropout: float, lora_rank: int, scope: str = "adapter"
+    backbone: nn.Module,
+    kind: str,
+    *,
+    dropout: float,
+    lora_rank: int,
+    scope: str = "adapter",
+    frozen_bn: str = "eval",
 ) -> AdaptedModel:
     """Wrap a frozen backbone with PEFT adapters of `kind` (residual: PerAda's; lora: PEFT LoRA).
 
     Scope `full` trains the whole network as well (the paper's full-model baselines); kind `none` is only
-    possible there and leaves the network as it is.
+    possible there and leaves the network as it is. `frozen_bn`: see `AdaptedModel`.
     """
     if scope not in SCOPES:
         raise ConfigError(f"unknown --scope '{scope}': use adapter or full")
@@ -219,13 +260,13 @@ def inject_adapters(
         if scope != "full":
             raise ConfigError("--adapter none trains nothing with --scope adapter: use --scope full")
         backbone.requires_grad_(True)
-        return AdaptedModel(backbone, kind, scope)
+        return AdaptedModel(backbone, kind, scope, frozen_bn)
     model = get_peft_model(backbone, _peft_config(backbone, kind, dropout, lora_rank))
     if scope == "full":
         for name, parameter in model.named_parameters():
             # PEFT keeps an unused copy of every module it trains a replacement of: that copy stays frozen.
             parameter.requires_grad_("original_module" not in name)
-    return AdaptedModel(model, kind, scope)
+    return AdaptedModel(model, kind, scope, frozen_bn)
 
 
 def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int) -> LoraConfig:

@@ -1,22 +1,27 @@
 """Server-side ensemble distillation of the global adapter (PerAda Global Obj and Algorithm 1, lines 17-22).
 
-The teachers are the clients' uploaded local adapters. Their logits on the unlabeled distillation data do not
-change while the student trains, so they are computed once per round and averaged; each of the R Adam steps
-then runs only the student. The loss is KL(softmax(mean teacher logits / T) || softmax(student logits / T)),
-scaled by T^2 (T = 1 in the paper); for multi-label tasks (CheXpert), where every label is its own yes/no
-question, the KL of the two Bernoulli distributions sigmoid(logit / T) per label. The learning rate follows a
-cosine schedule over the R steps.
+The teachers are the clients' uploaded local adapters, the student starts from their mean. Each of the R Adam
+steps (cosine learning rate over the R steps) minimizes on a batch of unlabeled distillation data
+KL(softmax(mean teacher logits / T) || softmax(student logits / T)) * T^2 (the paper's l_KD with sigma the
+softmax; T = 1 in the paper), or with `--kd-loss bernoulli`, for multi-label tasks, the KL of the two Bernoulli
+distributions sigmoid(logit / T) per label. The adapter with the best score on the server's labeled validation
+split (the starting mean included) is kept, checked every `--kd-eval-every` steps (0: ten checks).
 
-The student is trained in inference mode (BatchNorm on its running statistics, no dropout): the distilled
-function is then exactly the one clients receive and evaluate, and out-of-domain distillation images cannot
-overwrite the BatchNorm statistics averaged from the clients. The adapter with the best accuracy on the
-server's labeled validation split (the FedAvg starting point included) is kept: best accuracy, or best AUC.
+Two ways to run it, `--kd-mode`:
+- `eval` (default): teachers and student in inference mode (BatchNorm on running statistics, no dropout). The
+  distilled function is then exactly the one clients receive, and without augmentation (`--kd-augment none`) the
+  teachers' logits do not change while the student trains: they are computed once per round and averaged.
+- `train` (the PerAda authors' code): teachers and student in training mode, so dropout is on, BatchNorm
+  normalizes with the distillation batch's statistics and the student's running statistics follow the
+  distillation data; the teachers then run on every batch, as they do with augmented images.
+
+Only during the first `--kd-rounds` rounds, if set (the authors' `kd_max_round`); later rounds keep the mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +30,16 @@ from peradapt.adapters import AdapterState
 from peradapt.config import DistillConfig
 from peradapt.data import ImageSet
 from peradapt.errors import TrainingDiverged
-from peradapt.federation.local import LocalTrainer, seeded_generator
+from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
 
 
-def ensemble_logits(trainer: LocalTrainer, teachers: Sequence[AdapterState], data: ImageSet) -> torch.Tensor:
-    """Mean logits of the teachers on `data` (the pseudo-labels of Global Obj), computed once."""
-    total = trainer.logits(teachers[0], data)
+def ensemble_logits(
+    trainer: LocalTrainer, teachers: Sequence[AdapterState], data: ImageSet, inputs: InputPipeline | None = None
+) -> torch.Tensor:
+    """Mean inference-mode logits of the teachers on `data` (the pseudo-labels of Global Obj), computed once."""
+    total = trainer.logits(teachers[0], data, inputs)
     for teacher in teachers[1:]:
-        total += trainer.logits(teacher, data)
+        total += trainer.logits(teacher, data, inputs)
     return total / len(teachers)
 
 
@@ -67,30 +74,41 @@ class Distiller:
     kd_data: ImageSet
     val_data: ImageSet
     config: DistillConfig
+    inputs: InputPipeline | None = None  # distillation images -> model inputs; None: as the clients' (unaugmented)
 
-    @property
-    def multilabel(self) -> bool:
-        # The unlabeled distillation data cannot tell the task's kind; the labeled validation split can.
-        return self.val_data.multilabel
+    def __post_init__(self) -> None:
+        if self.inputs is None:
+            self.inputs = replace(self.trainer.inputs, augment="none")
+
+    def active(self, round_index: int) -> bool:
+        """Whether round `round_index` (from 0) distills: all rounds, or the first `--kd-rounds`."""
+        return not self.config.kd_rounds or round_index < self.config.kd_rounds
 
     def distill(
         self,
         student: AdapterState,
-        teacher_logits: torch.Tensor,
+        teachers: Sequence[AdapterState],
         *,
         seed: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        """R Adam steps from `student` towards the teachers; returns the best adapter on validation."""
-        config, trainer = self.config, self.trainer
+        """R Adam steps from `student` towards the teachers' mean logits; returns the best adapter on validation."""
+        config, trainer, inputs = self.config, self.trainer, self.inputs
+        assert inputs is not None
         model = trainer.model
         steps = config.kd_steps
         check_every = config.kd_eval_every or max(1, steps // 10)
-        loss_of = multilabel_kd_loss if self.multilabel else kd_loss
+        loss_of = multilabel_kd_loss if config.kd_loss == "bernoulli" else kd_loss
+        training_mode = config.kd_mode == "train"
+        # Teacher logits are a fixed function of the image only in inference mode on unaugmented images.
+        cached = (
+            None
+            if training_mode or inputs.augment != "none"
+            else ensemble_logits(trainer, teachers, self.kd_data, inputs)
+        )
         best_state, best_score = student, trainer.score(student, self.val_data)
         start_score, best_step, checks_without_gain = best_score, 0, 0
         model.load_state(student)
-        model.eval()
         parameters = list(model.trainable_parameters().values())
         optimizer = torch.optim.Adam(parameters, lr=config.server_lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
@@ -99,11 +117,15 @@ class Distiller:
         last_loss = float("nan")
         for step in range(1, steps + 1):
             batch = torch.randperm(len(self.kd_data), generator=generator)[:batch_size]
-            # No augmentation: the cached teacher logits belong to the images as they are.
-            images = trainer.inputs(self.kd_data.images[batch])
-            with trainer.inputs.autocast():
+            images = inputs(self.kd_data.images[batch], generator)
+            if cached is not None:
+                teacher_logits = cached[batch.to(cached.device)]
+            else:
+                teacher_logits = self._teacher_logits(teachers, images, training_mode)
+            model.train() if training_mode else model.eval()
+            with inputs.autocast():
                 student_logits = model(images).float()
-            loss = loss_of(student_logits, teacher_logits[batch.to(teacher_logits.device)], config.kd_temperature)
+            loss = loss_of(student_logits, teacher_logits, config.kd_temperature)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"distillation loss became {loss.item()}: lower --server-lr")
             optimizer.zero_grad(set_to_none=True)
@@ -117,7 +139,6 @@ class Distiller:
                 candidate = model.state()
                 score = trainer.score(candidate, self.val_data)
                 model.load_state(candidate)
-                model.eval()
                 if score > best_score:
                     best_state, best_score, best_step, checks_without_gain = candidate, score, step, 0
                 else:
@@ -131,3 +152,20 @@ class Distiller:
             "kd_best_step": best_step,
         }
         return best_state, info
+
+    @torch.no_grad()
+    def _teacher_logits(
+        self, teachers: Sequence[AdapterState], images: torch.Tensor, training_mode: bool
+    ) -> torch.Tensor:
+        """The teachers' mean logits on this batch, each teacher loaded into the shared model in turn; the
+        student's state is put back afterwards."""
+        model = self.trainer.model
+        student = model.state()
+        total = torch.zeros(())
+        for teacher in teachers:
+            model.load_state(teacher)
+            model.train() if training_mode else model.eval()
+            with self.trainer.inputs.autocast():
+                total = total + model(images).float()
+        model.load_state(student)
+        return total / len(teachers)

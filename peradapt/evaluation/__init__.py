@@ -2,14 +2,18 @@
 
 from peradapt.evaluation.metrics import evaluate_adapters, mean_auc, metric_name, roc_auc, summarize, summary
 from peradapt.evaluation.report import METRIC_LABELS, results_table
+from peradapt.evaluation.selection import SELECTED_ON_TEST, per_client_record, select_on_test
 
 __all__ = [
     "METRIC_LABELS",
+    "SELECTED_ON_TEST",
     "evaluate_adapters",
     "mean_auc",
     "metric_name",
+    "per_client_record",
     "results_table",
     "roc_auc",
+    "select_on_test",
     "summarize",
     "summary",
 ]

@@ -31,7 +31,14 @@ from peradapt.adapters.model import write_files
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, RunError
-from peradapt.evaluation import evaluate_adapters, summarize, summary
+from peradapt.evaluation import (
+    SELECTED_ON_TEST,
+    evaluate_adapters,
+    per_client_record,
+    select_on_test,
+    summarize,
+    summary,
+)
 from peradapt.federation.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
@@ -132,7 +139,7 @@ def prepare_run(config: TrainConfig, *, resume: bool, console: Console) -> Prepa
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
     """The rounds left, then the final evaluation and export: the same for every engine."""
     global_state = _run_rounds(run.session, run.global_state, run.history, run.paths, console, clients)
-    return _finish(run.session, global_state, run.paths, console, clients)
+    return _finish(run.session, global_state, run.history, run.paths, console, clients)
 
 
 class Clients(Protocol):
@@ -229,7 +236,7 @@ def _run_rounds(
     config, method = session.config, session.method
     fed, seed = config.federation, config.seed
     federated = fed.clients - fed.holdout_clients  # held-out clients are the last ids: never sampled
-    kd_steps = config.distill.kd_steps if method.uses_distillation else 0
+    distiller = method.context.distiller
     with progress_display(console) as progress:
         rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history))
         for round_index in range(len(history), fed.rounds):
@@ -237,11 +244,13 @@ def _run_rounds(
             clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(sampled))
             updates = clients.train(round_index, sampled, global_state, lambda bar=clients_bar: progress.advance(bar))
             progress.remove_task(clients_bar)
+            kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
             global_state, server_metrics = method.server_update(
                 global_state,
                 updates,
                 derive_seed(seed, round_index, SERVER),
+                round_index,
                 on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
             )
             progress.remove_task(server_bar)
@@ -252,7 +261,9 @@ def _run_rounds(
                 personalized = clients.personalized(
                     evaluated, global_state, played=round_index + 1, checkpointed=round_index
                 )
-                record.update(summarize(_evaluate(session, personalized, global_state, evaluated)))
+                evaluation = _evaluate(session, personalized, global_state, evaluated)
+                record.update(summarize(evaluation))
+                record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
             record.update(clients.traffic())
             history.append(record)
             _save_round(session, global_state, history, paths)
@@ -302,7 +313,9 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
     session.store.commit(len(history))
 
 
-def _finish(session: Session, global_state: dict, paths: RunPaths, console: Console, clients: Clients) -> dict:
+def _finish(
+    session: Session, global_state: dict, history: list[dict], paths: RunPaths, console: Console, clients: Clients
+) -> dict:
     federated, rounds = session.federated_clients, session.config.federation.rounds
     with progress_display(console) as progress:
         finished = progress.add_task("final evaluation and export", total=len(federated))
@@ -317,7 +330,7 @@ def _finish(session: Session, global_state: dict, paths: RunPaths, console: Cons
             on_client=lambda: progress.advance(finished),
         )
         session.model.save_pretrained(paths.global_adapter, global_state)
-    report = build_report(session, evaluation)
+    report = build_report(session, evaluation, history)
     write_json_atomic(paths.report, report)
     return report
 
@@ -344,7 +357,7 @@ def exporting(
     return personalized_and_exported
 
 
-def build_report(session: Session, evaluation: dict) -> dict:
+def build_report(session: Session, evaluation: dict, history: list[dict]) -> dict:
     def with_stats(values: list[float], **clients: list[int]) -> dict:
         return {**summary(values), "per_client": values, **clients}
 
@@ -368,6 +381,8 @@ def build_report(session: Session, evaluation: dict) -> dict:
             "global_test": evaluation["global"]["global_test"],
         },
         "summary": summarize(evaluation),
+        # The authors' reporting: per client its best evaluated round on its own test data (see evaluation.selection)
+        SELECTED_ON_TEST: select_on_test(history, config.federation.rounds, evaluation),
         "trainable_parameters": session.model.num_trainable(),
         "backbone_parameters": session.model.num_backbone(),
         **held_out,

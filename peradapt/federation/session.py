@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +177,12 @@ def build_session(
     scope = config.method.scope or method_cls.default_scope
     kind = config.adapter.adapter or _default_kind(config, scope)
     model = inject_adapters(
-        backbone, kind, dropout=config.adapter.adapter_dropout, lora_rank=config.adapter.lora_rank, scope=scope
+        backbone,
+        kind,
+        dropout=config.adapter.adapter_dropout,
+        lora_rank=config.adapter.lora_rank,
+        scope=scope,
+        frozen_bn=config.method.frozen_bn,
     )
     inputs = InputPipeline(
         _per_channel(info.mean, data.channels),
@@ -189,12 +194,28 @@ def build_session(
     trainer = LocalTrainer(model, inputs, config.method.batch_size, privacy=private_training(config, model))
     distiller = None
     if method_cls.uses_distillation:
-        distiller = Distiller(trainer, data.kd, data.val, config.distill)
+        distiller = Distiller(trainer, data.kd, data.val, config.distill, _distillation_inputs(config, data, inputs))
     store = ClientStore(device) if client_store is None else DiskClientStore(client_store, device)
     initial = model.state()
     context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed)
     method = build_method(config.method.method, context)
     return Session(config, data, model, trainer, method, store, initial, info, kind, device)
+
+
+def _distillation_inputs(config: TrainConfig, data: FederatedData, inputs: InputPipeline) -> InputPipeline:
+    """How distillation images become model inputs: at the model's size or `--kd-image-size` (the authors' code
+    feeds CIFAR-10 at its own 32 px to Office-Home and CheXpert models), normalized as the clients' data or with
+    the distillation set's own statistics (`--kd-normalization own`, the authors'), cropped and flipped at every
+    step with `--kd-augment crop-flip`."""
+    distill = config.distill
+    own = distill.kd_normalization == "own"
+    return replace(
+        inputs,
+        mean=_per_channel(data.kd_mean, data.channels) if own else inputs.mean,
+        std=_per_channel(data.kd_std, data.channels) if own else inputs.std,
+        augment=distill.kd_augment,
+        image_size=distill.kd_image_size or inputs.image_size,
+    )
 
 
 def _default_kind(config: TrainConfig, scope: str) -> str:

@@ -108,6 +108,7 @@ class APFL(Method):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         return average_states([update.upload for update in updates]), {}  # eq. 8: uniform mean

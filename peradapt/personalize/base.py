@@ -68,9 +68,11 @@ class Method(ABC):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        """Build the next global adapter from the uploads; return it with metrics to log."""
+        """Build the next global adapter from the uploads of round `round_index` (from 0); return it with metrics to
+        log."""
 
     @abstractmethod
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:

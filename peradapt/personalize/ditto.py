@@ -44,6 +44,7 @@ class Ditto(ProximalPersonalization):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         uploads = [update.upload for update in updates]

@@ -47,6 +47,7 @@ class FedAvg(Method):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         return self.weighted_mean(updates), {}

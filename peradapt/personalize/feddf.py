@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
-from peradapt.distill import ensemble_logits
 from peradapt.personalize.base import ClientUpdate, register
 from peradapt.personalize.fedavg import FedAvg
 
@@ -34,10 +33,12 @@ class FedDF(FedAvg):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         distiller = self.context.distiller
         assert distiller is not None
         averaged = self.weighted_mean(updates)
-        teacher_logits = ensemble_logits(self.trainer, [u.upload for u in updates], distiller.kd_data)
-        return distiller.distill(averaged, teacher_logits, seed=seed, on_step=on_step)
+        if not distiller.active(round_index):
+            return averaged, {}
+        return distiller.distill(averaged, [u.upload for u in updates], seed=seed, on_step=on_step)

@@ -52,6 +52,7 @@ class FedProx(ProximalPersonalization):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         mean = average_states([update.upload for update in updates])  # (1/m) Σ_i w_{t,K}^(i)

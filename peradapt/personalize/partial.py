@@ -116,6 +116,7 @@ class PartialModel(Method):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         """u <- sum_m n_m u_m / sum_m n_m; the personal entries of the global state are kept."""

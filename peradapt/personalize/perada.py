@@ -8,7 +8,12 @@ Xie et al., "PerAda: Parameter-Efficient Federated Learning Personalization with
 
 and uploads theta_m. The server sets w <- mean of theta_m over sampled clients (lines 17-18), then distills:
 R steps on KL(softmax(mean teacher logits) || softmax(student logits)) over unlabeled data (lines 19-22,
-Global Obj). `perada-nokd` stops after the mean (the paper's "PerAda w/o KD" ablation).
+Global Obj). `perada-nokd` stops after the mean (the paper's "PerAda w/o KD" ablation), as every round does
+after the first `--kd-rounds` if that is set (the authors' code distills only in the first rounds).
+
+The proximal term: Algorithm 1 steps with lam * (v - w), the gradient of lam/2 ||v - w||^2. The authors' code adds
+lam * ||v - w||^2 to the loss, whose gradient is 2 lam (v - w): their lam is half of peradapt's (their lam = 1 is
+`--lam 2`, as the paper presets set it). docs/REPRODUCING.md lists every such difference.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
-from peradapt.distill import ensemble_logits
 from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
 
@@ -40,16 +44,15 @@ class PerAda(ProximalPersonalization):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         teachers = [update.upload for update in updates]
-        averaged = average_states(teachers)
-        if not self.uses_distillation:
-            return averaged, {}
+        averaged = average_states(teachers)  # lines 17-18
         distiller = self.context.distiller
-        assert distiller is not None
-        teacher_logits = ensemble_logits(self.trainer, teachers, distiller.kd_data)
-        return distiller.distill(averaged, teacher_logits, seed=seed, on_step=on_step)
+        if not self.uses_distillation or not distiller or not distiller.active(round_index):
+            return averaged, {}
+        return distiller.distill(averaged, teachers, seed=seed, on_step=on_step)  # lines 19-22
 
     def parameter_counts(self) -> dict[str, int]:
         adapter = self.trainer.model.num_trainable()

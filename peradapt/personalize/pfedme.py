@@ -101,6 +101,7 @@ class PFedMe(Method):
         global_state: AdapterState,
         updates: list[ClientUpdate],
         seed: int,
+        round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         mean = average_states([update.upload for update in updates])  # (1/S) sum_i w_i

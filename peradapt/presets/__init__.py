@@ -1,0 +1,39 @@
+"""Paper presets: every setting the PerAda authors' scripts set for a table of the paper, shipped in the package.
+
+A preset is a YAML file beside this module: `settings` (flat `train` keys, λ in peradapt's convention), `notes`
+(why a value is what it is, for `peradapt info --preset`), and a `description`. `train --preset NAME` starts from
+its settings; `--config` and flags win over it.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from peradapt.config import TrainConfig
+from peradapt.errors import ConfigError
+
+PRESETS = ("perada-cifar10", "perada-office-home", "perada-chexpert")
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    """The preset's whole record: description, settings, notes."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --preset '{name}': use one of {', '.join(PRESETS)}")
+    text = resources.files(__package__).joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+    """The flat `train` settings preset `name` sets."""
+    return dict(read_preset(name)["settings"])
+
+
+def preset_rows(name: str) -> list[tuple[str, Any, Any, str]]:
+    """(setting, preset value, peradapt's default, note) for every setting of preset `name`."""
+    record = read_preset(name)
+    defaults = TrainConfig().to_flat()
+    notes = record.get("notes", {})
+    return [(key, value, defaults.get(key), notes.get(key, "")) for key, value in record["settings"].items()]
