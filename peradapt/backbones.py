@@ -1,9 +1,16 @@
 """Frozen pretrained backbones: creation by timm name or `hf:PATH_OR_ID`, weight resolution, offline pretraining.
 
-Weights come from, in order: `--weights FILE` (safetensors), the backbone store filled by `peradapt pretrain`
-(`$PERADAPT_HOME/backbones/<data>-<backbone>.safetensors`, default `~/.cache/peradapt`), or timm's local
-pretrained cache (never downloaded at run time); a Hugging Face model brings its own (see `peradapt.hf`). With
-none of them, training stops: a randomly initialised backbone is never used silently.
+A timm name may carry one of timm's pretrained tags (`resnet18.tv_in1k`: torchvision's ImageNet weights); without
+one, timm's default tag applies. Weights come from, in order: `--weights FILE` (safetensors), the backbone store
+filled by `peradapt pretrain` (`$PERADAPT_HOME/backbones/<data>-<backbone>.safetensors`, default
+`~/.cache/peradapt`), or the weights timm publishes for the name: taken from the local Hugging Face cache
+(`HF_HUB_CACHE`; torch hub's for the few hosted elsewhere) when a previous run left them there, else fetched once
+into it. Offline (`offline=True`, or `HF_HUB_OFFLINE=1` in the environment) only the cache is read. A Hugging Face
+model brings its own (see `peradapt.hf`). With none of them, training stops: a randomly initialised backbone is
+never used silently.
+
+Inputs are normalized with the weights' own statistics where known (`normalization="auto"`: the JSON beside a
+weights file, a ViT's or timm's published pretrained config) or always with the data's (`normalization="data"`).
 
 ViTs take one resolution, the one their position embeddings were trained at (timm's `fixed_input_size`, an HF
 config's `image_size`): the data is resized to it unless `--image-size` asks otherwise, and a timm ViT then gets
@@ -17,17 +24,35 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.parse import urlparse
 
 import timm
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.utils import (
+    EntryNotFoundError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from timm.layers import resample_abs_pos_embed
-from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
+from timm.models import (
+    PretrainedCfg,
+    build_model_with_cfg,
+    generate_default_cfgs,
+    get_pretrained_cfg,
+    register_model,
+    split_model_name_tag,
+)
 from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from peradapt.config import NORMALIZATIONS
 from peradapt.errors import ConfigError, WeightsError
 from peradapt.hf import (
     create_hf_model,
@@ -144,13 +169,30 @@ def _resized(name: str, image_size: int | None) -> dict[str, int]:
     return {"img_size": image_size} if native is not None and image_size not in (None, native) else {}
 
 
+_TAGS_SHOWN = 8  # of an architecture's published tags, in a message about an unknown one
+
+
 def _check_timm_name(name: str) -> None:
-    if name not in timm.list_models(name):
+    architecture, tag = split_model_name_tag(name)
+    if architecture not in timm.list_models(architecture):
         raise ConfigError(
-            f"unknown backbone '{name}': use a timm model name (resnet18, resnet34, vit_small_patch16_224, ...), "
-            "a narrow ResNet such as resnet18_w16, the tiny ViT vit_tiny_p4_32, or hf:PATH_OR_ID for a "
+            f"unknown backbone '{name}': use a timm model name (resnet18, resnet18.tv_in1k, vit_small_patch16_224, "
+            "...), a narrow ResNet such as resnet18_w16, the tiny ViT vit_tiny_p4_32, or hf:PATH_OR_ID for a "
             "transformers image classifier"
         )
+    # timm.list_models does not list tagged names; the published tags are timm's pretrained names.
+    if tag and name not in timm.list_pretrained(name):
+        raise ConfigError(_unknown_tag(architecture, tag))
+
+
+def _unknown_tag(architecture: str, tag: str) -> str:
+    tags = [published.partition(".")[2] for published in timm.list_pretrained(f"{architecture}.*")]
+    if not tags:
+        return f"{architecture} has no published weights, so no pretrained tag '{tag}': use --backbone {architecture}"
+    shown = ", ".join(f"{architecture}.{known}" for known in tags[:_TAGS_SHOWN])
+    if len(tags) > _TAGS_SHOWN:
+        shown += f" or one of {len(tags) - _TAGS_SHOWN} more (timm.list_pretrained('{architecture}.*'))"
+    return f"unknown pretrained tag '{tag}' for {architecture}: use {shown}"
 
 
 def classifier_name(model: nn.Module) -> str:
@@ -227,33 +269,77 @@ def load_backbone(
     mean: tuple[float, ...],
     std: tuple[float, ...],
     image_size: int,
+    offline: bool = False,
+    normalization: str = "auto",
 ) -> tuple[nn.Module, BackboneInfo]:
     """A frozen backbone with a fresh `num_classes` head, made for `image_size` px, and where its weights came from.
 
-    Inputs are normalized with `mean`/`std` (the data's statistics) unless the weights say otherwise: the JSON
-    beside a weights file, or the pretrained config of a ViT with published weights (see `_own_normalization`).
+    Published timm weights missing from the local cache are fetched unless `offline` (or `HF_HUB_OFFLINE=1`).
+    Inputs are normalized with `mean`/`std` (the data's statistics) under `normalization="data"`; under "auto" too,
+    unless the weights say otherwise: the JSON beside a weights file, the pretrained config of a ViT with published
+    weights (see `_own_normalization`), or timm's config of the published weights loaded.
     """
-    model = create_backbone(name, num_classes, in_chans, image_size)
-    normalization = _own_normalization(name) or (mean, std)
+    if normalization not in NORMALIZATIONS:
+        raise ConfigError(f"unknown --normalization '{normalization}': use {', '.join(NORMALIZATIONS)}")
+    model, info = _pretrained_backbone(
+        name,
+        data=data,
+        num_classes=num_classes,
+        in_chans=in_chans,
+        weights=weights,
+        data_normalization=(mean, std),
+        image_size=image_size,
+        # huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is the user's setting.
+        offline_by="--offline" if offline else "HF_HUB_OFFLINE=1" if hub_constants.HF_HUB_OFFLINE else None,
+    )
+    if normalization == "data":
+        info.mean, info.std = mean, std
+    return freeze(model), info
+
+
+def _pretrained_backbone(
+    name: str,
+    *,
+    data: str,
+    num_classes: int,
+    in_chans: int,
+    weights: str | None,
+    data_normalization: tuple[tuple[float, ...], tuple[float, ...]],
+    image_size: int,
+    offline_by: str | None,
+) -> tuple[nn.Module, BackboneInfo]:
+    """The backbone with the first weights that apply, in the module docstring's order, and their description;
+    `offline_by` names the setting that forbids fetching weights, if any."""
     stored = default_weights_path(data, name)
     if weights is not None or (not is_hf(name) and stored.is_file()):
         path = Path(weights) if weights is not None else stored
+        model = create_backbone(name, num_classes, in_chans, image_size)
         _load_into(model, read_weights(path), str(path))
+        normalization = _own_normalization(name) or data_normalization
         info = _read_info(path) or BackboneInfo(name, in_chans, image_size, *normalization, str(path))
         info.source = str(path)
-        return freeze(model), info
+        return model, info
     if is_hf(name):
+        model = create_backbone(name, num_classes, in_chans, image_size)
         source = str(hf_directory(name))
         _load_into(model, hf_pretrained_weights(name), source)
-        return freeze(model), BackboneInfo(name, in_chans, image_size, *normalization, source)
-    cached = _timm_cached_weights(name, num_classes, in_chans, image_size)
-    if cached is not None:
-        config = cached.pretrained_cfg
-        info = BackboneInfo(
-            name, in_chans, image_size, tuple(config["mean"]), tuple(config["std"]), f"timm cache ({name})"
+        normalization = _own_normalization(name) or data_normalization
+        return model, BackboneInfo(name, in_chans, image_size, *normalization, source)
+    _check_timm_name(name)
+    # timm hands out a randomly initialised model, with only a log warning, for names without published weights.
+    if not _has_published_weights(name):
+        raise WeightsError(f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored)}")
+    config = get_pretrained_cfg(name)
+    assert config is not None  # published weights come with a config
+    cached = _cached_weights_file(config)
+    if cached is None and offline_by is not None:
+        raise WeightsError(
+            f"the pretrained weights of {name} ({_origin(config)}) are not in the local cache and {offline_by} "
+            f"forbids fetching them: run once without {offline_by} to fetch them, or "
+            f"{_how_to_get_weights(name, data, stored)}"
         )
-        return freeze(cached), info
-    raise WeightsError(f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored)}")
+    model, source = _published_backbone(name, config, cached, num_classes, in_chans, image_size)
+    return model, BackboneInfo(name, in_chans, image_size, tuple(config.mean), tuple(config.std), source)
 
 
 def _own_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -270,7 +356,9 @@ def _own_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]
 
 
 def _has_published_weights(name: str) -> bool:
-    return bool(timm.list_pretrained(name) or timm.list_pretrained(f"{name}.*"))
+    """Whether timm has weights to load for `name` (its default tag's if untagged), from the hub or a URL."""
+    config = get_pretrained_cfg(name)
+    return config is not None and bool(config.hf_hub_id or config.url)
 
 
 def _how_to_get_weights(name: str, data: str, stored: Path) -> str:
@@ -280,8 +368,8 @@ def _how_to_get_weights(name: str, data: str, stored: Path) -> str:
         return f"run `peradapt pretrain --data {data} --backbone {name}` (writes {stored}) or pass --weights FILE"
     return (
         f"{data} has no split for `peradapt pretrain`, so pass --weights FILE.safetensors (e.g. ImageNet weights "
-        f"for {name} saved with safetensors) or use a timm --backbone whose ImageNet weights are in the local "
-        "timm/Hugging Face cache (e.g. resnet18)"
+        f"for {name} saved with safetensors) or use a timm --backbone with published ImageNet weights (e.g. "
+        "resnet18.tv_in1k), fetched once into the local Hugging Face cache"
     )
 
 
@@ -297,25 +385,76 @@ def _read_info(weights_path: Path) -> BackboneInfo | None:
         raise WeightsError(f"cannot read {meta} ({exc}): delete it or re-run `peradapt pretrain`") from None
 
 
-def _timm_cached_weights(name: str, num_classes: int, in_chans: int, image_size: int) -> nn.Module | None:
-    """ImageNet weights when timm/HF already has them on disk; nothing is downloaded here."""
-    # timm hands out a randomly initialised model, with only a log warning, for names without pretrained weights.
-    if not _has_published_weights(name):
-        return None
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
+# timm asks the hub for model.safetensors and falls back to the pickle where a repository has no safetensors file.
+_HUB_FILES = ("model.safetensors", "pytorch_model.bin")
+# huggingface_hub reports an unreachable hub, with nothing cached, as a missing local entry; urllib (weights at a
+# URL) as a URLError, except that an HTTPError is a URLError carrying the server's answer.
+_UNREACHABLE = (LocalEntryNotFoundError, ConnectionError, TimeoutError, URLError)
+_NOT_PUBLISHED = (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError)
+
+
+def _published_backbone(
+    name: str, config: PretrainedCfg, cached: Path | None, num_classes: int, in_chans: int, image_size: int
+) -> tuple[nn.Module, str]:
+    """timm's published weights for `name` (`config`) from the `cached` file, else fetched; and where they came
+    from. timm adapts them: a fresh head, the stem summed for grayscale, a ViT's position embeddings resampled."""
+    arguments = {"num_classes": num_classes, "in_chans": in_chans, **_resized(name, image_size)}
+    if cached is None:
+        try:
+            # timm fetches through huggingface_hub (torch hub for URLs) into the cache `_cached_weights_file` reads.
+            return timm.create_model(name, pretrained=True, **arguments), f"{_origin(config)} (fetched)"
+        except Exception as exc:  # network, hub and storage failures come from several libraries
+            raise WeightsError(_fetch_failure(name, config, exc)) from None
+    # Loaded as a local file, so that nothing goes to the network once the weights are here. Hub files hold plain
+    # state dicts even where the original release, the file at a URL, needs a custom loader (augreg ViTs' .npz);
+    # said explicitly, as older timm versions keep a config's custom_load for a file given instead.
+    overlay = {"file": str(cached), "custom_load": False if config.hf_hub_id else config.custom_load}
     try:
-        # timm resamples a ViT's position embeddings itself when they were trained at another size.
-        return timm.create_model(
-            name, pretrained=True, num_classes=num_classes, in_chans=in_chans, **_resized(name, image_size)
-        )
-    except Exception:  # any failure means "not cached": the caller explains what to do instead
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **arguments)
+    except Exception as exc:  # a truncated or foreign file: timm's loaders raise many kinds
+        raise WeightsError(
+            f"cannot load the cached weights {cached} of {name} ({_first_line(exc)}): delete the file to fetch it "
+            "again, or pass --weights FILE.safetensors"
+        ) from None
+    return model, f"{_origin(config)} (cached file {cached})"
+
+
+def _origin(config: PretrainedCfg) -> str:
+    return f"Hugging Face Hub {config.hf_hub_id}" if config.hf_hub_id else str(config.url)
+
+
+def _cached_weights_file(config: PretrainedCfg) -> Path | None:
+    """The file timm would fetch for `config`, when an earlier fetch left it in the local cache."""
+    if config.hf_hub_id:
+        repo_id, _, revision = config.hf_hub_id.partition("@")
+        for filename in (config.hf_hub_filename,) if config.hf_hub_filename else _HUB_FILES:
+            found = try_to_load_from_cache(repo_id, filename, revision=revision or None)
+            if isinstance(found, str):  # else None (not cached) or a marker for "known to be absent"
+                return Path(found)
         return None
-    finally:
-        if previous is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = previous
+    # torch hub's download directory, where timm's URL loads go.
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(config.url).path).name
+    return path if path.is_file() else None
+
+
+def _fetch_failure(name: str, config: PretrainedCfg, exc: Exception) -> str:
+    """One line: why fetching the weights of `name` failed, and what to do."""
+    if isinstance(exc, _UNREACHABLE) and not isinstance(exc, HTTPError):
+        why, action = "cannot reach it (no network connection?)", "connect (the weights are fetched once, then cached)"
+    elif isinstance(exc, _NOT_PUBLISHED):
+        architecture = split_model_name_tag(name)[0]
+        why, action = "not found there", f"use another pretrained tag (timm.list_pretrained('{architecture}.*'))"
+    else:
+        why, action = _first_line(exc), "retry"
+    return (
+        f"cannot fetch the pretrained weights of {name} from {_origin(config)}: {why}; {action}, "
+        "or pass --weights FILE.safetensors"
+    )
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def save_backbone(state: dict[str, torch.Tensor], info: BackboneInfo, path: Path) -> None:

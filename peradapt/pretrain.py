@@ -70,7 +70,7 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
     model = create_backbone(config.backbone, images.num_classes, images.images.shape[1]).to(device)
     train_set, held_out = _hold_out(images, config.seed)
     image_size = vit_size or images.images.shape[-1]
-    inputs = InputPipeline(source.mean, source.std, device, augment=True, image_size=image_size)
+    inputs = InputPipeline(source.mean, source.std, device, augment="crop-flip", image_size=image_size)
     optimizer, lr = _optimizer(model, config)
     steps_per_epoch = -(-len(train_set) // config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(

@@ -258,8 +258,8 @@ def test_unknown_source_lists_the_known_ones() -> None:
 # ---------------------------------------------------------------- CIFAR on-disk layout
 
 
-def write_cifar(root: Path, name: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """A tiny copy of torchvision's pickled CIFAR layout: 30 training and 12 test images."""
+def write_cifar(root: Path, name: str, seed: int = 0, num_train: int = 30, num_test: int = 12) -> dict[str, np.ndarray]:
+    """A tiny copy of torchvision's pickled CIFAR layout: 30 training and 12 test images by default."""
     rng = np.random.default_rng(seed)
     if name == "cifar10":
         folder, label_key, files = "cifar-10-batches-py", "labels", [f"data_batch_{i}" for i in range(1, 6)]
@@ -275,8 +275,8 @@ def write_cifar(root: Path, name: str, seed: int = 0) -> dict[str, np.ndarray]:
         num_classes = 100
     (root / folder).mkdir(parents=True)
     written: dict[str, list[np.ndarray]] = {"train": [], "test": []}
-    per_file = 30 // len(files)
-    for split, names, count in (("train", files, per_file), ("test", [test_file], 12)):
+    per_file = num_train // len(files)
+    for split, names, count in (("train", files, per_file), ("test", [test_file], num_test)):
         for file_name in names:
             data = rng.integers(0, 256, (count, 3072), dtype=np.uint8)
             labels = rng.integers(0, num_classes, count)

@@ -66,12 +66,14 @@ def module_with(trainer: LocalTrainer, state: dict[str, torch.Tensor]) -> torch.
 
 
 def frozen_norm_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Running statistics of the BatchNorms that own no trainable parameter (ResNet downsample BNs)."""
+    """Running statistics of the BatchNorms that own no trainable parameter and run in the forward pass (ResNet
+    downsample BNs; not PEFT's idle `original_module` copies of the trained ones)."""
     return {
         f"{name}.{buffer_name}": buffer.clone()
         for name, layer in module.named_modules()
         if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
         and not any(p.requires_grad for p in layer.parameters())
+        and "original_module" not in name
         for buffer_name, buffer in layer.named_buffers(recurse=False)
     }
 
@@ -170,8 +172,12 @@ def distill_setup(kd_mode: str, kd_augment: str, steps: int):
 def test_train_mode_distillation_matches_the_authors_loop(kd_augment):
     """aggregation/distillation.py: per batch, the teachers' mean logits under no_grad with the teachers as they
     left client training (training mode), then student.train(), KL(softmax(teacher) || softmax(student)) batch
-    mean, one Adam step, cosine schedule; the student's running statistics follow the distillation batches."""
-    steps, seed = 3, 11
+    mean, one Adam step, cosine schedule; the student's running statistics follow the distillation batches.
+
+    One step: in training mode the adapter BatchNorm's bias, which the next BatchNorm's batch mean cancels, has a
+    gradient that is zero up to rounding, and Adam turns rounding into steps of size lr; so it is left out of the
+    comparison, and the second step would already differ by it."""
+    steps, seed = 1, 11
     trainer, teachers, student, distiller = distill_setup("train", kd_augment, steps)
     captured = {}
     distiller.distill(student, teachers, seed=seed, on_step=lambda s: captured.update({s: trainer.model.state()}))
@@ -196,8 +202,10 @@ def test_train_mode_distillation_matches_the_authors_loop(kd_augment):
         loss.backward()
         optimizer.step()
         schedule.step()
-    expected = {k: v.detach() for k, v in learner.state_dict().items() if k in student}
-    assert_close(captured[steps], expected, **TOL)
+    cancelled = {n for n, p in learner.named_parameters() if p.grad is not None and p.grad.abs().max() < 1e-7}
+    assert cancelled and all(".lora_residual." in n and n.endswith(".bias") for n in cancelled)
+    expected = {k: v.detach() for k, v in learner.state_dict().items() if k in student and k not in cancelled}
+    assert_close({k: captured[steps][k] for k in expected}, expected, **TOL)
     statistics = [k for k in student if k.endswith("running_mean")]
     assert all(not torch.equal(captured[steps][k], student[k]) for k in statistics)
 

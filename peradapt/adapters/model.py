@@ -57,7 +57,8 @@ class AdaptedModel:
         self._frozen_norm_buffers: set[str] = set()  # in the state only with frozen_bn "train"
         for module_name, layer in module.named_modules():
             owns_trainable = any(p.requires_grad for p in layer.parameters(recurse=False))
-            frozen_norm = not owns_trainable and isinstance(layer, _BatchNorm)
+            # PEFT keeps an unused copy (`original_module`) of every module it trains: no forward pass reaches it.
+            frozen_norm = not owns_trainable and isinstance(layer, _BatchNorm) and "original_module" not in module_name
             if frozen_norm:
                 self._frozen_norms.append(layer)
             if owns_trainable or (frozen_norm and frozen_bn == "train"):

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from peradapt.data.images import scale_pixels
+
+# Training-batch augmentations: none (peradapt's default for all but CIFAR-10/100), crop-flip (its CIFAR
+# augmentation) and resized-crop (the PerAda authors' CheXpert augmentation).
+AUGMENTATIONS = ("none", "crop-flip", "resized-crop")
+# torchvision's RandomResizedCrop tries this many random boxes before it falls back to a central one.
+CROP_ATTEMPTS = 10
+# Per image: CROP_ATTEMPTS area fractions, CROP_ATTEMPTS log aspect ratios, the box's top and left, the flip.
+_RESIZED_CROP_UNIFORMS = 2 * CROP_ATTEMPTS + 3
 
 
 def to_model_input(
@@ -72,6 +81,18 @@ def iterate_minibatches(
         yield order[start:end]
 
 
+def augment_batch(images: torch.Tensor, augmentation: str, generator: torch.Generator, size: int) -> torch.Tensor:
+    """uint8 ``[N, C, H, W]`` images augmented as ``augmentation`` (one of AUGMENTATIONS) says, with draws from
+    ``generator``: crop-flip keeps their size, resized-crop gives ``size``×``size`` (the model's input size)."""
+    if augmentation == "crop-flip":
+        return random_crop_flip(images, generator)
+    if augmentation == "resized-crop":
+        return random_resized_crop_flip(images, generator, size)
+    if augmentation == "none":
+        return images
+    raise ValueError(f"unknown augmentation {augmentation!r}: use {', '.join(AUGMENTATIONS)}")
+
+
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
     """Random crop of the zero-padded images and random horizontal flip, as one gather for the batch."""
     count, channels, height, width = images.shape
@@ -91,3 +112,104 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: 
         rows.view(count, 1, height, 1),
         cols.view(count, 1, 1, width),
     ]
+
+
+def random_resized_crop_flip(
+    images: torch.Tensor,
+    generator: torch.Generator,
+    size: int,
+    scale: tuple[float, float] = (0.05, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> torch.Tensor:
+    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` then ``RandomHorizontalFlip()`` on every image of a
+    uint8 ``[N, C, H, W]`` batch: uint8 ``[N, C, size, size]``, on the images' device.
+
+    A box covering a random fraction (in ``scale``) of the image's area with a random aspect ratio (log-uniform in
+    ``ratio``) is resized to ``size``×``size`` (bilinear, antialiased: `resized_crops`) and flipped with
+    probability 1/2. With the default scale this is the PerAda authors' CheXpert training augmentation (their
+    code, datasets/chexpert.py). The random draws come from ``generator`` alone, so a seed gives one batch.
+    """
+    count, _, height, width = images.shape
+    uniforms = torch.rand(
+        (count, _RESIZED_CROP_UNIFORMS), generator=generator, device=generator.device, dtype=torch.float64
+    ).cpu()
+    boxes = resized_crop_boxes(height, width, uniforms[:, :-1], scale, ratio)
+    return resized_crops(images, boxes, size, flips=uniforms[:, -1] < 0.5)
+
+
+def resized_crop_boxes(
+    height: int, width: int, uniforms: torch.Tensor, scale: tuple[float, float], ratio: tuple[float, float]
+) -> torch.Tensor:
+    """int64 ``[N, 4]`` boxes (top, left, height, width) in a ``height``×``width`` image, chosen by the rule of
+    torchvision's ``RandomResizedCrop.get_params`` from float64 uniforms in [0, 1), ``[N, 2 * CROP_ATTEMPTS + 2]``.
+
+    Attempt k draws an area fraction uniform in ``scale`` (column k) and a log aspect ratio uniform in
+    log ``ratio`` (column ``CROP_ATTEMPTS + k``), rounds the box's sides, and keeps the first attempt whose box
+    fits, placed uniformly (the last two columns). If none fits, the box is central: the whole image, or its
+    widest/tallest part whose aspect ratio is within ``ratio``.
+    """
+    area_uniforms, ratio_uniforms, place = uniforms.split([CROP_ATTEMPTS, CROP_ATTEMPTS, 2], dim=1)
+    target_area = height * width * (scale[0] + (scale[1] - scale[0]) * area_uniforms)
+    log_low, log_high = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(log_low + (log_high - log_low) * ratio_uniforms)
+    # Rounded half to even, as Python's round() in torchvision.
+    box_w = torch.sqrt(target_area * aspect).round().long()
+    box_h = torch.sqrt(target_area / aspect).round().long()
+    fits = (box_w > 0) & (box_w <= width) & (box_h > 0) & (box_h <= height)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first attempt that fits (0 when none does)
+    found = fits.any(dim=1)
+    central_h, central_w = _central_crop_size(height, width, ratio)
+    box_h = torch.where(found, box_h.gather(1, first).squeeze(1), central_h)
+    box_w = torch.where(found, box_w.gather(1, first).squeeze(1), central_w)
+    # torch.randint(0, n + 1) is uniform over 0..n: the floor of a uniform in [0, n + 1).
+    top = torch.where(found, (place[:, 0] * (height - box_h + 1)).floor().long(), (height - box_h) // 2)
+    left = torch.where(found, (place[:, 1] * (width - box_w + 1)).floor().long(), (width - box_w) // 2)
+    return torch.stack([top, left, box_h, box_w], dim=1)
+
+
+def _central_crop_size(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int]:
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        return round(width / min(ratio)), width
+    if in_ratio > max(ratio):
+        return height, round(height * max(ratio))
+    return height, width
+
+
+def resized_crops(
+    images: torch.Tensor, boxes: torch.Tensor, size: int, flips: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each image's box (top, left, height, width: int64 ``[N, 4]``) resized to ``size``×``size`` and flipped
+    left to right where ``flips`` (bool ``[N]``) says: uint8 ``[N, C, size, size]`` on the images' device.
+
+    The resampling is torch's bilinear interpolation with antialiasing (what torchvision's resized_crop does to
+    tensors by default), written as one matrix per axis and image, so that crops of different sizes make two
+    batched matrix products instead of one interpolation per image.
+    """
+    boxes = boxes.to(images.device)
+    top, left, box_h, box_w = boxes.unbind(dim=1)
+    rows = _interpolation_matrices(top, box_h, images.shape[2], size)
+    cols = _interpolation_matrices(left, box_w, images.shape[3], size)
+    if flips is not None:
+        # A flipped image's output column j is the unflipped one's size - 1 - j.
+        cols = torch.where(flips.to(images.device).view(-1, 1, 1), cols.flip(1), cols)
+    pixels = rows.unsqueeze(1) @ images.to(torch.float32) @ cols.transpose(1, 2).unsqueeze(1)
+    return pixels.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _interpolation_matrices(start: torch.Tensor, length: torch.Tensor, extent: int, size: int) -> torch.Tensor:
+    """float32 ``[N, size, extent]``: row i weighs the input pixels that output pixel i of the span
+    ``[start, start + length)`` resized to ``size`` takes, as torch's antialiased bilinear interpolation does.
+
+    Output pixel i is centred at ``s * (i + 0.5)`` in the span (s = length / size) and weighs the span's pixels by
+    a triangle of half-width max(s, 1) around it, the weights normalized to sum to 1.
+    """
+    device = start.device
+    span = length.to(torch.float64).view(-1, 1, 1)
+    step = span / size
+    widen = step.clamp(min=1.0)  # shrinking widens the triangle to cover every input pixel: the antialiasing
+    centres = step * (torch.arange(size, device=device, dtype=torch.float64).view(1, -1, 1) + 0.5)
+    position = torch.arange(extent, device=device, dtype=torch.float64).view(1, 1, -1) - start.view(-1, 1, 1)
+    weights = (1 - (position + 0.5 - centres).abs() / widen).clamp_(min=0)
+    weights = weights * ((position >= 0) & (position < span))
+    return (weights / weights.sum(dim=2, keepdim=True)).to(torch.float32)

@@ -7,7 +7,13 @@ split carves test and validation images from it the same way. valid.csv's 234 im
 every client a test split and are not used.
 
 Labels follow U-Ones (the paper, after Irvin et al.): uncertain (-1) counts as positive, blank (not mentioned)
-as negative. Images are decoded as grayscale.
+as negative.
+
+Images are decoded as grayscale and normalized with the mean of ImageNet's statistics, squeezed whole to the
+model's square (peradapt's default). The PerAda authors' code (datasets/chexpert.py) instead opens every
+radiograph as RGB (grey in three equal channels) normalized with ImageNet's per-channel statistics
+(``channels=3``) at 64 px, resizes the shorter side and center-crops for testing (``resize="center-crop"``), and
+trains on random resized crops with flips (``--augment resized-crop``, `peradapt.data.batches`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,15 @@ import numpy as np
 import torch
 
 from peradapt.data.decode import decode_images
-from peradapt.data.images import IMAGENET_MEAN, IMAGENET_STD, Grouping, ImageSet, SourceData
+from peradapt.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Grouping,
+    ImageSet,
+    SourceData,
+    channel_statistics,
+    resize_images,
+)
 from peradapt.errors import DataError
 
 TASKS = ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")
@@ -33,17 +47,23 @@ _WHERE = (
 )
 
 
-def load_chexpert(data_dir: Path | None, image_size: int) -> SourceData:
-    """Every image of train.csv with its 5 U-Ones labels and meta-category (``test`` is ``None``)."""
+def load_chexpert(
+    data_dir: Path | None, image_size: int, *, channels: int | None = None, resize: str = "squeeze"
+) -> SourceData:
+    """Every image of train.csv with its 5 U-Ones labels and meta-category (``test`` is ``None``), decoded at
+    ``image_size`` px as ``resize`` says (see `peradapt.data.decode`), grey (``channels`` None or 1) or grey
+    repeated in 3 channels."""
     train_csv = _find_train_csv(data_dir)
     paths, labels = read_labels(train_csv)
     root = train_csv.parent.parent  # the Path column starts with the dataset folder's own name
+    grey = decode_images([root / path for path in paths], image_size, "L", name="chexpert", resize=resize)
+    channels = channels or 1
+    # Decoded grey either way (one cache entry, a third of the bytes): PIL's RGB of a grey radiograph is its grey
+    # value in every channel, which is what repeating it gives.
     train = ImageSet(
-        images=decode_images([root / path for path in paths], image_size, "L", name="chexpert"),
-        labels=torch.from_numpy(labels),
-        num_classes=len(TASKS),
+        images=resize_images(grey, None, channels), labels=torch.from_numpy(labels), num_classes=len(TASKS)
     )
-    mean, std = (sum(IMAGENET_MEAN) / 3,), (sum(IMAGENET_STD) / 3,)
+    mean, std = channel_statistics(IMAGENET_MEAN, IMAGENET_STD, channels)
     return SourceData("chexpert", train, None, mean, std, categories=meta_categories(labels, RARE_COMBINATION_IMAGES))
 
 

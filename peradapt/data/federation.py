@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -9,13 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from peradapt.data.images import ImageSet, SourceData, fit_images
+from peradapt.data.images import ImageSet, SourceData, channel_statistics, fit_images
 from peradapt.data.officehome import DOMAINS as OFFICE_HOME_DOMAINS
 from peradapt.data.partition import (
     PartitionSpec,
+    balanced_dirichlet_split,
     label_histograms,
     parse_partition,
     partition_labels,
+    split_off_test,
     split_test_like_train,
 )
 from peradapt.data.sources import SOURCE_NAMES, load_source
@@ -43,6 +46,14 @@ _AUTO_KD_SOURCE = {"cifar10": "cifar100", "cifar100": "cifar10", "office-home": 
 _DOMAINS = {"office-home": OFFICE_HOME_DOMAINS}
 # Independent random streams under SPLIT_SEED, one per thing they choose.
 _TRAIN_STREAM, _TEST_STREAM, _KD_STREAM = 0, 1, 2
+# What a partition record's indices point into. fixed-split: client train indices into the fixed split's client
+# pool, test indices into its test set (both after --limit-samples). train-rows: client train and test indices and
+# the record's "val" are rows of the dataset's whole training set, as in the PerAda authors' partition files.
+_FIXED_SPLIT, _TRAIN_ROWS = "fixed-split", "train-rows"
+# The PerAda authors' partition files (datasets/chexpert.py): each client's rows lose this share to its local test
+# split (their test_ratio), and the list under this key holds the server's validation rows.
+_AUTHORS_TEST_SHARE = Fraction(1, 10)
+_AUTHORS_VAL_KEY = "-1"
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,10 @@ class ClientData:
     client_id: int
     train: ImageSet
     test: ImageSet
-    train_indices: np.ndarray  # into the dataset's client pool
-    test_indices: np.ndarray  # into the (limited) test set
+    # Into the dataset's client pool and its (limited) test set; both rows of the whole training set for a
+    # partition of layout train-rows (the PerAda authors' partition files).
+    train_indices: np.ndarray
+    test_indices: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -65,8 +78,39 @@ class FederatedData:
     clients: list[ClientData]
     val: ImageSet  # labeled server validation split: selects the distilled global adapter
     kd: ImageSet  # unlabeled distillation data, stored for image_size and with the source's channels
+    kd_mean: tuple[float, ...]  # the distillation set's own statistics (`--kd-normalization own`), per channel
+    kd_std: tuple[float, ...]
     global_test: ImageSet  # union of all clients' test splits
     partition: dict[str, Any]  # JSON-ready record of the partition, as written to partition.json
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where given client indices come from, as error messages name it, and what to do when they are wrong."""
+
+    name: str
+    remedy: str
+
+
+_SAVED = _Origin("the saved partition (partition.json)", "delete partition.json to start anew")
+
+
+@dataclass(frozen=True)
+class _Given:
+    """A partition to reuse rather than draw: a saved record (--resume) or a file:PATH's JSON object."""
+
+    record: dict[str, Any]
+    origin: _Origin
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """Client index lists; ``val`` holds the server's validation rows of a train-rows partition (else ``None``:
+    the fixed split's)."""
+
+    train: list[np.ndarray]
+    test: list[np.ndarray]
+    val: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -147,11 +191,14 @@ def build_federation(
     image_size: int | None = None,
     download: bool = False,
     saved_partition: dict[str, Any] | None = None,
+    channels: int | None = None,
+    resize: str = "squeeze",
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
     ``image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
-    ``FederatedData.partition``) is reused instead of partitioning anew.
+    ``FederatedData.partition``) is reused instead of partitioning anew; so is a ``file:PATH`` partition's file:
+    peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`).
     """
     spec = parse_partition(partition)
     _check_limit(limit_samples)
@@ -160,42 +207,45 @@ def build_federation(
     kd_source = _kd_source_name(dataset, kd_data)
     if spec.kind == "domain":
         _check_domain_clients(dataset, num_clients)
-    source = load_source(dataset, data_dir, download, image_size)
+    given = _given_partition(spec, saved_partition, num_clients, limit_samples)  # checked before the slow loading
+    layout = _FIXED_SPLIT if given is None else _layout(given.record)
+    source = load_source(dataset, data_dir, download, image_size, channels=channels, resize=resize)
     image_size = image_size or source.train.images.shape[-1]
     splits = _source_splits(source, limit_samples)
-    pool = source.train.subset(splits.pool)
-    test = (source.train if source.test is None else source.test).subset(splits.test)
+    pool, test, pool_rows, test_rows = _client_sets(source, splits, layout)
     if len(pool) < num_clients:
         raise DataError(
             f"{num_clients} clients need at least {num_clients} samples; the pool has {len(pool)} "
             "(raise --limit-samples or lower --clients)"
         )
-    groups = _partition_groups(source, spec, splits, pool, test)
-    pool_labels, test_labels = groups.pool, groups.test
-    if saved_partition is None:
-        rng = np.random.default_rng(seed)
-        train_parts = partition_labels(pool_labels, num_clients, spec, rng)
-        test_parts = split_test_like_train(test_labels, train_parts, pool_labels, groups.count, rng)
-        spec_text, partition_seed = str(spec), seed
+    groups = _partition_groups(source, spec, pool_rows, test_rows, pool, test)
+    if given is None:
+        parts = _new_parts(spec, groups, num_clients, seed, len(splits.pool) + len(splits.val))
     else:
-        # --resume: the saved record wins over the flags, so the clients keep their data.
-        train_parts, test_parts = _saved_parts(saved_partition, dataset, num_clients, len(pool), len(test))
-        spec_text, partition_seed = saved_partition.get("spec", str(spec)), saved_partition.get("seed", seed)
+        reused = given.record
+        if _is_authors_layout(reused):
+            reused = _authors_record(reused, given.origin, num_clients, seed, splits.val)
+        reserved = _reserved_rows(splits, own_kd=kd_source == dataset)
+        parts = _given_parts(reused, given.origin, dataset, num_clients, len(pool), len(test), reserved)
     clients = [
         ClientData(client, pool.subset(train_part), test.subset(test_part), train_part, test_part)
-        for client, (train_part, test_part) in enumerate(zip(train_parts, test_parts, strict=True))
+        for client, (train_part, test_part) in enumerate(zip(parts.train, parts.test, strict=True))
     ]
     record = {
-        "spec": spec_text,
-        "seed": partition_seed,
+        # --resume: the saved record wins over the flags, so the clients keep their data.
+        "spec": str(spec) if saved_partition is None else saved_partition.get("spec", str(spec)),
+        "seed": seed if given is None else given.record.get("seed", seed),
         "dataset": dataset,
         "num_clients": num_clients,
+        "layout": layout,
         "pool_size": len(pool),
         "test_size": len(test),
+        **({"val": parts.val.tolist()} if parts.val is not None else {}),
         "histograms_of": groups.kind,
         **({"groups": list(groups.names)} if groups.names else {}),
-        "clients": [_client_record(client, pool_labels, test_labels, groups.count) for client in clients],
+        "clients": [_client_record(client, groups.pool, groups.test, groups.count) for client in clients],
     }
+    kd, kd_mean, kd_std = _kd_images(kd_source, source, image_size, splits, data_dir, download, limit_samples)
     return FederatedData(
         dataset=dataset,
         num_classes=pool.num_classes,
@@ -204,11 +254,41 @@ def build_federation(
         mean=source.mean,
         std=source.std,
         clients=clients,
-        val=source.train.subset(splits.val),
-        kd=_kd_images(kd_source, source, image_size, splits, data_dir, download, limit_samples),
-        global_test=test.subset(np.sort(np.concatenate(test_parts))),
+        val=source.train.subset(splits.val if parts.val is None else parts.val),
+        kd=kd,
+        kd_mean=kd_mean,
+        kd_std=kd_std,
+        global_test=test.subset(np.sort(np.concatenate(parts.test))),
         partition=record,
     )
+
+
+def _client_sets(
+    source: SourceData, splits: FixedSplits, layout: str
+) -> tuple[ImageSet, ImageSet, np.ndarray, np.ndarray]:
+    """The images that client train and test indices point into, and their rows in the source's training set
+    (its test set for the test images of a source with one)."""
+    if layout == _TRAIN_ROWS:
+        rows = np.arange(len(source.train))
+        return source.train, source.train, rows, rows
+    test = (source.train if source.test is None else source.test).subset(splits.test)
+    return source.train.subset(splits.pool), test, splits.pool, splits.test
+
+
+def _new_parts(spec: PartitionSpec, groups: _PartitionGroups, num_clients: int, seed: int, divided: int) -> _Parts:
+    """``divided``: the images the authors' code divides between the clients and the server's validation split,
+    whose number sets their balance gate (N / M) for the training split."""
+    rng = np.random.default_rng(seed)
+    if spec.kind == "dir-balanced":
+        # The PerAda authors' test split follows the training proportions, not each client's training counts.
+        alpha = float(spec.value)
+        return _Parts(
+            *balanced_dirichlet_split(
+                groups.pool, groups.test, num_clients, groups.count, alpha, rng, train_total=divided
+            )
+        )
+    train_parts = partition_labels(groups.pool, num_clients, spec, rng)
+    return _Parts(train_parts, split_test_like_train(groups.test, train_parts, groups.pool, groups.count, rng))
 
 
 def _check_domain_clients(dataset: str, num_clients: int) -> None:
@@ -226,13 +306,18 @@ def _check_domain_clients(dataset: str, num_clients: int) -> None:
 
 
 def _partition_groups(
-    source: SourceData, spec: PartitionSpec, splits: FixedSplits, pool: ImageSet, test: ImageSet
+    source: SourceData,
+    spec: PartitionSpec,
+    pool_rows: np.ndarray,
+    test_rows: np.ndarray,
+    pool: ImageSet,
+    test: ImageSet,
 ) -> _PartitionGroups:
     grouping = source.domains if spec.kind == "domain" else source.categories
     if grouping is None:
         return _PartitionGroups("classes", pool.labels.numpy(), test.labels.numpy(), pool.num_classes)
     # Sources with groups carve their test images from the training images, which the group ids cover.
-    pool_ids, test_ids = grouping.ids[splits.pool], grouping.ids[splits.test]
+    pool_ids, test_ids = grouping.ids[pool_rows], grouping.ids[test_rows]
     return _PartitionGroups(grouping.kind, pool_ids, test_ids, len(grouping.names), grouping.names)
 
 
@@ -280,18 +365,21 @@ def _kd_images(
     data_dir: Path | str | None,
     download: bool,
     limit_samples: int | None,
-) -> ImageSet:
+) -> tuple[ImageSet, tuple[float, ...], tuple[float, ...]]:
+    """The unlabeled distillation images, stored for ``image_size`` with the clients' channels, and the mean and
+    std of their own source for those channels."""
     if kd_source == source.name:
-        images = source.train.images[splits.kd]
+        kd_source_data, images = source, source.train.images[splits.kd]
     else:
         try:
-            other = load_source(kd_source, data_dir, download).train
+            kd_source_data = load_source(kd_source, data_dir, download)
         except DataError as err:  # the default distillation data of some datasets is another dataset
             raise DataError(f"--kd-data {kd_source}: {err}; or distill on other data, e.g. --kd-data digits") from err
-        order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(other))
-        images = other.images[_head_sorted(order, limit_samples)]
+        order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(kd_source_data.train))
+        images = kd_source_data.train.images[_head_sorted(order, limit_samples)]
     channels = source.train.images.shape[1]
-    return ImageSet(images=fit_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes)
+    kd = ImageSet(images=fit_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes)
+    return kd, *channel_statistics(kd_source_data.mean, kd_source_data.std, channels)
 
 
 def _client_record(client: ClientData, pool_labels: np.ndarray, test_labels: np.ndarray, num_classes: int) -> dict:
@@ -304,33 +392,208 @@ def _client_record(client: ClientData, pool_labels: np.ndarray, test_labels: np.
     }
 
 
-def _saved_parts(
-    saved: dict[str, Any], dataset: str, num_clients: int, pool_size: int, test_size: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The client index lists of a saved partition, after checking they fit this data."""
+def _given_partition(
+    spec: PartitionSpec, saved_partition: Any, num_clients: int, limit_samples: int | None
+) -> _Given | None:
+    """The partition to reuse, if any: the saved one (--resume) before a file:PATH's; checked as far as can be
+    without the data."""
+    if saved_partition is not None:
+        given, origin = saved_partition, _SAVED
+    elif spec.kind == "file":
+        origin = _Origin(f"--partition {spec}", "fix the file or give another")
+        given = _read_partition_file(Path(str(spec.value)), origin)
+    else:
+        return None
+    if not isinstance(given, dict):
+        raise DataError(
+            f"{origin.name} is not a JSON object at the top level: give peradapt's partition.json or the PerAda "
+            'authors\' {"0": [rows], ..., "-1": [rows]}'
+        )
+    _check_given_clients(given, origin, num_clients)
+    if _layout(given) == _TRAIN_ROWS and limit_samples is not None:
+        raise ConfigError(
+            f"--limit-samples cannot apply to {origin.name}: its indices are rows of the whole training set; "
+            "drop --limit-samples"
+        )
+    return _Given(given, origin)
+
+
+def _read_partition_file(path: Path, origin: _Origin) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{origin.name}: no such file; give the path of a partition JSON file") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{origin.name} is not UTF-8 text: give a partition JSON file") from None
+    except OSError as err:
+        raise DataError(f"{origin.name} cannot be read ({err.strerror}): give a readable partition JSON file") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{origin.name} is not JSON ({err}): give a partition JSON file") from None
+
+
+def _is_authors_layout(given: dict[str, Any]) -> bool:
+    return "clients" not in given
+
+
+def _layout(given: dict[str, Any]) -> str:
+    return _TRAIN_ROWS if _is_authors_layout(given) else given.get("layout", _FIXED_SPLIT)
+
+
+def _check_given_clients(given: dict[str, Any], origin: _Origin, num_clients: int) -> None:
+    """What can be checked before loading the data: the layout, and that the file has --clients clients."""
+    if _is_authors_layout(given):
+        if origin is _SAVED:  # peradapt writes its own layout only
+            raise DataError(f'{origin.name} is malformed (no "clients" list): {origin.remedy}')
+        _check_authors_keys(given, origin, num_clients)
+        return
+    if not isinstance(given["clients"], list):
+        raise DataError(f'{origin.name} is malformed (its "clients" is not a list): {origin.remedy}')
+    if _layout(given) not in (_FIXED_SPLIT, _TRAIN_ROWS):
+        raise DataError(
+            f"{origin.name} has layout {_layout(given)!r}, not {_FIXED_SPLIT} or {_TRAIN_ROWS}: {origin.remedy}"
+        )
+    if len(given["clients"]) != num_clients:
+        count = len(given["clients"])
+        raise DataError(f"{origin.name} has {count} clients, but --clients is {num_clients}: use --clients {count}")
+
+
+def _check_authors_keys(given: dict[str, Any], origin: _Origin, num_clients: int) -> None:
+    client_keys = [key for key in given if key != _AUTHORS_VAL_KEY]
+    count = len(client_keys)
+    if set(client_keys) == {str(client) for client in range(count)}:
+        if count != num_clients:
+            raise DataError(
+                f"{origin.name} lists {count} clients, but --clients is {num_clients}: use --clients {count}"
+            )
+        return
+    layouts = (
+        f'the PerAda authors\' layout has keys "0".."{num_clients - 1}" for --clients {num_clients} '
+        f'(and "-1" for the server\'s validation rows); peradapt\'s partition.json has a "clients" list'
+    )
+    expected = {str(client) for client in range(num_clients)}
+    unexpected = next((key for key in client_keys if key not in expected), None)
+    if unexpected is not None:
+        raise DataError(f"{origin.name} has key {unexpected!r}: {layouts}")
+    missing = next(client for client in range(num_clients) if str(client) not in given)
+    raise DataError(f'{origin.name} has no key "{missing}": {layouts}')
+
+
+def _authors_record(
+    given: dict[str, Any], origin: _Origin, num_clients: int, seed: int, fixed_val: np.ndarray
+) -> dict[str, Any]:
+    """A train-rows record from the PerAda authors' partition file (datasets/chexpert.py,
+    get_non_iid_data_train_test_val): {"0": rows, ..., "M-1": rows, "-1": the server's validation rows}.
+
+    Client i's rows lose a seeded 10% to its local test split (`split_off_test`, clients in order, one
+    Generator of ``seed``); without "-1" the server validates on the fixed split's validation rows, which no
+    client may list. Ranges and repeats are checked with the record (`_given_parts`).
+    """
+    listed = [_index_array(given[str(client)], f"client {client}'s list", origin) for client in range(num_clients)]
+    empty = next((client for client, rows in enumerate(listed) if not rows.size), None)
+    if empty is not None:
+        raise DataError(f"{origin.name} lists no rows for client {empty}: give every client some")
+    if _AUTHORS_VAL_KEY not in given:
+        _check_apart_from_fixed_val(listed, fixed_val, origin)
+    rng = np.random.default_rng(seed)
+    # The authors' code takes the CSV rows at the drawn positions inside a client's list, not the rows that the
+    # list names (so every client gets rows from the head of train.csv); we use the listed rows.
+    parts = [split_off_test(rows, _AUTHORS_TEST_SHARE, rng) for rows in listed]
+    return {
+        "layout": _TRAIN_ROWS,
+        "val": given.get(_AUTHORS_VAL_KEY, fixed_val.tolist()),
+        "clients": [
+            {"id": client, "train": train.tolist(), "test": test.tolist()} for client, (train, test) in enumerate(parts)
+        ],
+    }
+
+
+def _check_apart_from_fixed_val(listed: list[np.ndarray], fixed_val: np.ndarray, origin: _Origin) -> None:
+    for client, rows in enumerate(listed):
+        clash = np.intersect1d(rows, fixed_val)
+        if clash.size:
+            raise DataError(
+                f'{origin.name} has no "-1" list, so the server validates on the fixed split\'s validation rows, '
+                f'but client {client} lists row {clash[0]} of them: add a "-1" list or leave those rows out'
+            )
+
+
+def _reserved_rows(splits: FixedSplits, *, own_kd: bool) -> list[tuple[str, np.ndarray]]:
+    """Training rows that a train-rows partition must leave alone: those the backbone may be pretrained on, and the
+    unlabeled KD split when the run distills on it."""
+    reserved = [("the pretraining split (never given to clients)", splits.pretrain)]
+    return [*reserved, ("the unlabeled KD split", splits.kd)] if own_kd else reserved
+
+
+def _given_parts(
+    given: dict[str, Any],
+    origin: _Origin,
+    dataset: str,
+    num_clients: int,
+    pool_size: int,
+    test_size: int,
+    reserved: list[tuple[str, np.ndarray]],
+) -> _Parts:
+    """The client index lists of a given partition record, after checking they fit this data (a train-rows
+    record's lists and validation rows must not meet each other or ``reserved`` either)."""
     expected = {"dataset": dataset, "pool_size": pool_size, "test_size": test_size}
     for key, value in expected.items():
-        if key in saved and saved[key] != value:
+        if key in given and given[key] != value:
             raise DataError(
-                f"the saved partition was made for {key} {saved[key]!r}, but this data has {value!r} "
-                "(use the run's original --data and --limit-samples)"
+                f"{origin.name} was made for {key} {given[key]!r}, but this data has {value!r} "
+                "(use the --data and --limit-samples it was made with)"
             )
     try:
-        clients = saved["clients"]
-        train_parts = [np.asarray(client["train"], dtype=np.int64) for client in clients]
-        test_parts = [np.asarray(client["test"], dtype=np.int64) for client in clients]
-    except (KeyError, TypeError, ValueError) as err:
-        raise DataError(f"the saved partition is malformed ({err!r}); delete partition.json to start anew") from err
-    if len(clients) != num_clients:
-        raise DataError(f"the saved partition has {len(clients)} clients, but --clients is {num_clients}")
-    _check_saved_indices(train_parts, pool_size, "train")
-    _check_saved_indices(test_parts, test_size, "test")
-    return train_parts, test_parts
+        train_lists = _client_lists(given["clients"], "train", origin)
+        test_lists = _client_lists(given["clients"], "test", origin)
+        val = _index_array(given["val"], 'the "val" list', origin) if _layout(given) == _TRAIN_ROWS else None
+    except (KeyError, TypeError) as err:
+        raise DataError(f"{origin.name} is malformed ({err!r}): {origin.remedy}") from None
+    if val is None:
+        _check_indices(train_lists, pool_size, "client-pool", origin)
+        _check_indices(test_lists, test_size, "test-set", origin)
+    else:  # all are rows of one training set, so no row may come twice
+        lists = [*train_lists, *test_lists, ("the server's validation rows", val), *reserved]
+        _check_indices(lists, pool_size, "training-set", origin)
+    return _Parts([part for _, part in train_lists], [part for _, part in test_lists], val)
 
 
-def _check_saved_indices(parts: list[np.ndarray], size: int, kind: str) -> None:
-    every = np.concatenate(parts) if parts else np.empty(0, np.int64)
-    if every.size and (every.min() < 0 or every.max() >= size):
-        raise DataError(f"the saved partition has {kind} indices outside 0..{size - 1}: it belongs to other data")
-    if len(np.unique(every)) != len(every):
-        raise DataError(f"the saved partition gives some {kind} samples to more than one client")
+def _client_lists(clients: list[Any], key: str, origin: _Origin) -> list[tuple[str, np.ndarray]]:
+    """Each client's ``key`` list of indices, named for error messages."""
+    return [
+        (f"client {client}", _index_array(entry[key], f"client {client}'s {key} list", origin))
+        for client, entry in enumerate(clients)
+    ]
+
+
+def _index_array(values: Any, owner: str, origin: _Origin) -> np.ndarray:
+    """``values``, a JSON list of whole numbers, as int64."""
+    if not isinstance(values, list):
+        raise DataError(f"{origin.name}: {owner} is not a list of indices: {origin.remedy}")
+    # bool is an int to Python, but not an index to anyone.
+    bad = next((value for value in values if type(value) is not int), None)
+    if bad is not None:
+        raise DataError(f"{origin.name}: {owner} holds {bad!r}, not a whole-number index: {origin.remedy}")
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        raise DataError(f"{origin.name}: {owner} holds an index beyond any dataset: {origin.remedy}") from None
+
+
+def _check_indices(lists: list[tuple[str, np.ndarray]], size: int, space: str, origin: _Origin) -> None:
+    """Every index in 0..size-1, and none in two lists or twice in one; errors name the lists."""
+    for owner, indices in lists:
+        outside = indices[(indices < 0) | (indices >= size)]
+        if outside.size:
+            raise DataError(
+                f"{origin.name} gives {owner} {space} index {outside[0]}, outside 0..{size - 1}: {origin.remedy}"
+            )
+    every = np.concatenate([indices for _, indices in lists])
+    owner_of = np.repeat(np.arange(len(lists)), [len(indices) for _, indices in lists])
+    order = np.argsort(every, kind="stable")
+    repeats = np.flatnonzero(np.diff(every[order]) == 0)
+    if repeats.size:
+        first, second = (lists[owner_of[order[repeats[0] + step]]][0] for step in (0, 1))
+        places = f"twice to {first}" if first == second else f"to both {first} and {second}"
+        raise DataError(f"{origin.name} gives {space} sample {every[order[repeats[0]]]} {places}: {origin.remedy}")

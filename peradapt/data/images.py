@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from peradapt.errors import ConfigError
 
 # Normalization of the datasets decoded from photographs and radiographs: the statistics of ImageNet, which the
-# paper's backbones were pretrained on (grayscale: their mean, as for grayscale data on an RGB backbone).
+# paper's backbones were pretrained on (grayscale: their mean, as for grayscale data on an RGB backbone; grey
+# repeated as RGB: all three, as the PerAda authors' code normalizes CheXpert opened as RGB).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # ITU-R 601-2 luma weights, the same that PIL's convert("L") uses.
@@ -93,20 +94,43 @@ class SourceData:
     categories: Grouping | None = None
     domains: Grouping | None = None
 
-    def fitted(self, size: int) -> SourceData:
-        """The same source with its images stored for a ``size`` px model (see `fit_images`), channels kept."""
+    def fitted(self, size: int | None, channels: int | None = None) -> SourceData:
+        """The same source with its images stored for a ``size`` px model (see `fit_images`; None: sizes kept) with
+        ``channels`` channels (None: kept), and statistics to match (see `channel_statistics`)."""
+        channels = channels or self.train.images.shape[1]
 
         def fit(data: ImageSet) -> ImageSet:
-            images = fit_images(data.images, size, data.images.shape[1])
+            images = fit_images(data.images, size, channels)
             return ImageSet(images=images, labels=data.labels, num_classes=data.num_classes)
 
-        return replace(self, train=fit(self.train), test=None if self.test is None else fit(self.test))
+        mean, std = channel_statistics(self.mean, self.std, channels)
+        test = None if self.test is None else fit(self.test)
+        return replace(self, train=fit(self.train), test=test, mean=mean, std=std)
 
 
-def fit_images(images: torch.Tensor, size: int, channels: int) -> torch.Tensor:
+def channel_statistics(
+    mean: Sequence[float], std: Sequence[float], channels: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel normalization statistics for images converted to ``channels`` channels by `resize_images`: the
+    same when the count matches; one grey channel's repeated for grey shown as RGB (its channels are copies); RGB
+    ones averaged for grey, as peradapt normalizes grey data with ImageNet's RGB statistics.
+
+    ``channel_statistics(IMAGENET_MEAN, IMAGENET_STD, channels)`` is the normalization of the datasets decoded from
+    files, for either channel count.
+    """
+    mean, std = tuple(mean), tuple(std)
+    if len(mean) == channels:
+        return mean, std
+    if len(mean) == 1:
+        return mean * channels, std * channels
+    return (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
+
+
+def fit_images(images: torch.Tensor, size: int | None, channels: int) -> torch.Tensor:
     """uint8 ``[N, C, H, W]`` images with ``channels`` channels, as stored for a model taking ``size`` px: larger
-    images resized to ``size``×``size``, smaller ones kept as they are (the model's inputs scale them up)."""
-    larger = images.shape[-2] > size or images.shape[-1] > size
+    images resized to ``size``×``size``, smaller ones kept as they are (the model's inputs scale them up); ``None``:
+    every size kept."""
+    larger = size is not None and (images.shape[-2] > size or images.shape[-1] > size)
     return resize_images(images, size if larger else None, channels)
 
 
@@ -116,8 +140,11 @@ def resize_images(images: torch.Tensor, size: int | None, channels: int) -> torc
     source_channels = images.shape[1]
     if (source_channels, channels) not in {(1, 1), (3, 3), (1, 3), (3, 1)}:
         raise ConfigError(f"cannot convert {source_channels}-channel images to {channels} channels (use 1 or 3)")
-    if (size is None or images.shape[2:] == (size, size)) and source_channels == channels:
-        return images
+    if size is None or images.shape[2:] == (size, size):
+        if source_channels == channels:
+            return images
+        if source_channels == 1:  # grey as RGB at its size: a copy per channel, no pass through floats
+            return images.expand(-1, 3, -1, -1).contiguous()
     return torch.cat([_resize_chunk(chunk, size, channels) for chunk in images.split(_RESIZE_CHUNK)])
 
 

@@ -4,6 +4,10 @@ Layout: ``DIR/`` (or ``DIR/OfficeHome/``, ``DIR/OfficeHomeDataset_10072016/``) h
 ``Product/`` and ``Real_World/``, each with one sub-folder of images per class. The class folders are the same
 in every domain; sorted by name, they give the class indices. Office-Home has no test split of its own: the fixed
 split carves one (and the server's validation images) from all images, as PerAda's Table 6 does.
+
+Images are decoded as RGB, squeezed whole to the model's square and normalized with ImageNet's statistics, which
+is also what the PerAda authors' code (datasets/office_home.py) feeds its models: a fixed 224×224 resize, no
+augmentation. ``resize="center-crop"`` keeps the aspect ratio instead; ``channels=1`` converts to luma.
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ import numpy as np
 import torch
 
 from peradapt.data.decode import decode_images
-from peradapt.data.images import IMAGENET_MEAN, IMAGENET_STD, Grouping, ImageSet, SourceData
+from peradapt.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Grouping,
+    ImageSet,
+    SourceData,
+    channel_statistics,
+    resize_images,
+)
 from peradapt.errors import DataError
 
 DOMAINS = ("Art", "Clipart", "Product", "Real_World")
@@ -28,8 +40,11 @@ _WHERE = (
 )
 
 
-def load_office_home(data_dir: Path | None, image_size: int) -> SourceData:
-    """All Office-Home images with their classes and domains (``test`` is ``None``)."""
+def load_office_home(
+    data_dir: Path | None, image_size: int, *, channels: int | None = None, resize: str = "squeeze"
+) -> SourceData:
+    """All Office-Home images with their classes and domains (``test`` is ``None``), decoded at ``image_size`` px
+    as ``resize`` says (see `peradapt.data.decode`), in RGB (``channels`` None or 3) or grey."""
     domain_dirs = _find_domain_dirs(data_dir)
     classes = _class_names(domain_dirs)
     files: list[Path] = []
@@ -43,13 +58,16 @@ def load_office_home(data_dir: Path | None, image_size: int) -> SourceData:
             domains += [domain] * len(images)
     if not files:
         raise DataError(f"no images (.jpg, .jpeg, .png) in the class folders under {domain_dirs[0].parent}")
+    channels = channels or 3
+    colour = decode_images(files, image_size, "RGB", name="office-home", resize=resize)
     train = ImageSet(
-        images=decode_images(files, image_size, "RGB", name="office-home"),
+        images=resize_images(colour, None, channels),  # grey by the luma of the RGB pixels, as for array sources
         labels=torch.tensor(labels, dtype=torch.int64),
         num_classes=len(classes),
     )
+    mean, std = channel_statistics(IMAGENET_MEAN, IMAGENET_STD, channels)
     domain_groups = Grouping("domains", np.asarray(domains, dtype=np.int64), DOMAINS)
-    return SourceData("office-home", train, None, IMAGENET_MEAN, IMAGENET_STD, domains=domain_groups)
+    return SourceData("office-home", train, None, mean, std, domains=domain_groups)
 
 
 def _find_domain_dirs(data_dir: Path | None) -> list[Path]:

@@ -6,6 +6,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import numpy as np
@@ -18,35 +19,43 @@ from peradapt.errors import ConfigError, DataError
 # a few draws (one at 100,000 clients) the last is kept and the starved clients get their floor from the richest.
 _MAX_DIRICHLET_TRIES = 1000
 _DIRICHLET_BUDGET = 100_000
+# dir-balanced, after the PerAda authors' code (datasets/prepare_data.py, cifar_noniid, their _lst_sample): samples
+# of every class reserved for every client before the Dirichlet split, so that no client lacks a class.
+RESERVED_PER_CLASS = 2
 
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """A parsed ``--partition``: ``dir`` (``value`` = alpha), ``iid``, ``classes`` (``value`` = K) or ``domain``."""
+    """A parsed ``--partition``: ``dir`` or ``dir-balanced`` (``value`` = alpha), ``iid``, ``classes`` (``value`` =
+    K), ``domain`` or ``file`` (``value`` = the path, as given)."""
 
-    kind: Literal["dir", "iid", "classes", "domain"]
-    value: float | int | None = None
+    kind: Literal["dir", "dir-balanced", "iid", "classes", "domain", "file"]
+    value: float | int | str | None = None
 
     def __str__(self) -> str:
         return self.kind if self.value is None else f"{self.kind}:{self.value}"
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse ``dir:ALPHA`` (ALPHA > 0), ``iid``, ``classes:K`` (K >= 1) or ``domain``."""
-    text = spec.strip().lower()
-    kind, _, value = text.partition(":")
+    """Parse ``dir:ALPHA`` or ``dir-balanced:ALPHA`` (ALPHA > 0), ``iid``, ``classes:K`` (K >= 1), ``domain`` or
+    ``file:PATH``; kinds in any case, the path as given."""
+    kind, colon, value = spec.strip().partition(":")
+    kind = kind.lower()
     try:
-        if text == "iid":
-            return PartitionSpec("iid")
-        if text == "domain":
-            return PartitionSpec("domain")
-        if kind == "dir" and math.isfinite(alpha := float(value)) and alpha > 0:
-            return PartitionSpec("dir", alpha)
+        if kind in ("iid", "domain") and not colon:
+            return PartitionSpec(kind)
+        if kind == "file" and value:
+            return PartitionSpec("file", value)
+        if kind in ("dir", "dir-balanced") and math.isfinite(alpha := float(value)) and alpha > 0:
+            return PartitionSpec(kind, alpha)
         if kind == "classes" and (classes := int(value)) >= 1:
             return PartitionSpec("classes", classes)
     except ValueError:
         pass
-    raise ConfigError(f"bad --partition {spec!r}: use dir:ALPHA (e.g. dir:0.1), iid, classes:K or domain")
+    raise ConfigError(
+        f"bad --partition {spec!r}: use dir:ALPHA (e.g. dir:0.1), iid, classes:K or domain, "
+        "dir-balanced:ALPHA (the PerAda authors' split) or file:PATH (a partition JSON file)"
+    )
 
 
 def partition_labels(
@@ -59,8 +68,8 @@ def partition_labels(
     """Divide sample indices among clients; every index goes to exactly one client, each list sorted.
 
     ``labels`` are what the partition divides by: classes, meta-categories, or for ``domain`` the domain index
-    (client i gets domain i). ``min_samples`` is the Dirichlet floor per client, lowered to what the pool can
-    give every client.
+    (client i gets domain i). ``min_samples`` is the ``dir`` floor per client, lowered to what the pool can
+    give every client. ``file`` partitions are read, not computed: see ``peradapt.data.build_federation``.
     """
     labels = np.asarray(labels)
     if num_clients < 1:
@@ -76,8 +85,13 @@ def partition_labels(
     elif spec.kind == "dir":
         floor = min(min_samples, len(labels) // num_clients)
         parts = _dirichlet_parts(labels, num_clients, float(spec.value), floor, rng)
-    else:
+    elif spec.kind == "dir-balanced":
+        proportions = class_proportions(int(labels.max()) + 1, num_clients, float(spec.value), rng)
+        parts = balanced_dirichlet_parts(labels, proportions, rng)
+    elif spec.kind == "classes":
         parts = _class_shard_parts(labels, num_clients, int(spec.value), rng)
+    else:
+        raise ConfigError(f"--partition {spec} is read from its file, not computed from labels")
     empty = [client for client, part in enumerate(parts) if len(part) == 0]
     if empty:
         raise DataError(
@@ -162,6 +176,100 @@ def _class_shard_parts(
     return [np.concatenate(part) for part in parts]
 
 
+def class_proportions(num_classes: int, num_clients: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
+    """``[num_classes, num_clients]``: each class's shares for the clients, drawn from Dir(alpha) once per class."""
+    return rng.dirichlet(np.full(num_clients, alpha), size=num_classes)
+
+
+def balanced_dirichlet_split(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    alpha: float,
+    rng: np.random.Generator,
+    *,
+    train_total: int | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``dir-balanced:ALPHA``: training and test parts cut by `balanced_dirichlet_parts` with the same per-class
+    proportions, as the PerAda authors' code (datasets/read_data.py) reuses the training proportions for the test
+    set. ``rng`` draws the proportions (`class_proportions`), then the training parts, then the test parts.
+    ``train_total``: the N of the training split's balance gate (default: its number of labels); the authors'
+    is the whole training set, the server's validation share included."""
+    proportions = class_proportions(num_classes, num_clients, alpha, rng)
+    train_parts = balanced_dirichlet_parts(train_labels, proportions, rng, where="the client pool", total=train_total)
+    return train_parts, balanced_dirichlet_parts(test_labels, proportions, rng, where="the test set")
+
+
+def balanced_dirichlet_parts(
+    labels: np.ndarray,
+    proportions: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    where: str = "the labels",
+    total: int | None = None,
+) -> list[np.ndarray]:
+    """The PerAda authors' Dirichlet split (datasets/prepare_data.py, cifar_noniid, method "dir") of the indices
+    of ``labels`` (0 .. C-1) among M clients, ``proportions`` ``[C, M]`` giving each class's shares; each client's
+    list sorted.
+
+    First every client gets RESERVED_PER_CLASS samples of every class: for class k = 0 .. C-1 in turn,
+    ``rng.choice`` of its indices (ascending), 2M of them without replacement, client j taking the (2j, 2j+1)-th.
+    Then for each class k in turn, its other samples (ascending, then shuffled by ``rng.permutation``) are cut
+    among the clients: a client that already took N/M or more samples from the classes cut before (N = ``total``,
+    default ``len(labels)``, reserved ones included; its own reserved ones not counted) gets share 0, the shares are
+    renormalised, and client j takes the samples between cuts j and j+1 of ``floor(cumsum(shares) * n_k)``
+    (see `_balanced_cuts`).
+    """
+    labels = np.asarray(labels)
+    num_classes, num_clients = proportions.shape
+    members = [np.flatnonzero(labels == label) for label in range(num_classes)]
+    _check_reserve(members, num_clients, where)
+    reserve = RESERVED_PER_CLASS * num_clients
+    reserved = [rng.choice(indices, reserve, replace=False) for indices in members]
+    parts: list[list[np.ndarray]] = [
+        [class_reserve[RESERVED_PER_CLASS * client : RESERVED_PER_CLASS * (client + 1)] for class_reserve in reserved]
+        for client in range(num_clients)
+    ]
+    held = np.zeros(num_clients, dtype=np.int64)
+    for class_members, class_reserve, class_shares in zip(members, reserved, proportions, strict=True):
+        rest = rng.permutation(np.setdiff1d(class_members, class_reserve))
+        # The authors' balance gate: clients at or past an even share of all samples take no more.
+        shares = _gated_shares(class_shares, held * num_clients < (total or len(labels)))
+        cuts = _balanced_cuts(shares, len(rest))
+        for client in range(num_clients):
+            parts[client].append(rest[cuts[client] : cuts[client + 1]])
+        held += np.diff(cuts)
+    return [np.sort(np.concatenate(part)).astype(np.int64) for part in parts]
+
+
+def _check_reserve(members: Sequence[np.ndarray], num_clients: int, where: str) -> None:
+    reserve = RESERVED_PER_CLASS * num_clients
+    for label, indices in enumerate(members):
+        if len(indices) < reserve:
+            raise DataError(
+                f"dir-balanced gives each of the {num_clients} clients {RESERVED_PER_CLASS} samples of every class, "
+                f"but class {label} has {len(indices)} in {where} (needs {reserve}): lower --clients or use dir:ALPHA"
+            )
+
+
+def _gated_shares(shares: np.ndarray, has_room: np.ndarray) -> np.ndarray:
+    gated = np.where(has_room, shares, 0.0)
+    if gated.sum() == 0:
+        # At tiny alpha a draw holds exact zeros; when every client with room drew one, they share the class evenly
+        # (the authors' code would divide by zero here). Some client always has room: the reserve counts in N.
+        gated = has_room.astype(np.float64)
+    return gated / gated.sum()
+
+
+def _balanced_cuts(shares: np.ndarray, size: int) -> np.ndarray:
+    """``[0, cut_1, ..., size]``: client j takes the samples between cuts j and j+1."""
+    cumulative = np.cumsum(shares)
+    # Exactly 1 from the last client with a share on: a sum a hair under 1 must not leak a sample to gated clients.
+    cumulative[np.flatnonzero(shares)[-1] :] = 1.0
+    return np.concatenate([[0], np.floor(cumulative * size).astype(np.int64)])
+
+
 def split_test_like_train(
     test_labels: np.ndarray,
     train_parts: Sequence[np.ndarray],
@@ -194,6 +302,14 @@ def _largest_remainder_quotas(total: int, weights: np.ndarray) -> np.ndarray:
     leftover = total - int(quotas.sum())
     quotas[np.argsort(-remainders, kind="stable")[:leftover]] += 1
     return quotas
+
+
+def split_off_test(rows: np.ndarray, share: Fraction, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One client's rows as (train, test), each sorted: ``rng.choice`` picks ``floor(share * len(rows))`` positions
+    for test, as the PerAda authors' code (datasets/chexpert.py, get_non_iid_data_train_test_val) does."""
+    is_test = np.zeros(len(rows), dtype=bool)
+    is_test[rng.choice(len(rows), int(share * len(rows)), replace=False)] = True
+    return np.sort(rows[~is_test]), np.sort(rows[is_test])
 
 
 def label_histograms(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int) -> list[list[int]]:

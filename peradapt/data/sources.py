@@ -9,12 +9,13 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from peradapt.data.chexpert import load_chexpert
+from peradapt.data.decode import RESIZES
 from peradapt.data.images import ImageSet, SourceData
 from peradapt.data.officehome import load_office_home
 from peradapt.errors import ConfigError, DataError
@@ -38,22 +39,36 @@ DECODED_IMAGE_SIZE = 224
 
 
 def load_source(
-    name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None
+    name: str,
+    data_dir: Path | str | None,
+    download: bool = False,
+    image_size: int | None = None,
+    *,
+    channels: int | None = None,
+    resize: str = "squeeze",
 ) -> SourceData:
     """Load the source called ``name`` (one of ``SOURCE_NAMES``), its images stored for a model of ``image_size``
     px if given: image files decoded at that size, arrays larger than it resized, smaller ones kept (see
     `fit_images`). Without ``image_size``, arrays keep their native size and image files are decoded at
     DECODED_IMAGE_SIZE.
+
+    ``channels`` (None: the dataset's own) converts grey to RGB by repetition and RGB to grey by luma, with the
+    normalization statistics to match (`channel_statistics`: ImageNet's per channel for decoded datasets, the
+    grey ones repeated for grey arrays). ``resize`` is how image files are fitted to the square: ``squeeze``
+    (peradapt's default) or ``center-crop`` (the PerAda authors' CheXpert test transform; see
+    `peradapt.data.decode`). Arrays are square already, so it leaves them alone.
     """
+    if resize not in RESIZES:
+        raise ConfigError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     path = None if data_dir is None else Path(data_dir)
     decoder = _DECODED.get(name)
     if decoder is not None:
-        return decoder(path, image_size or DECODED_IMAGE_SIZE)
+        return decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize)
     loader = _LOADERS.get(name)
     if loader is None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
     source = loader(path, download)
-    return source if image_size is None else source.fitted(image_size)
+    return source if image_size is None and channels is None else source.fitted(image_size, channels)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -229,8 +244,14 @@ _LOADERS: dict[str, Callable[[Path | None, bool], SourceData]] = {
     "cifar100": functools.partial(_load_cifar, "cifar100"),
     "digits": _load_digits,
 }
+
+
+class _Decoder(Protocol):
+    def __call__(self, data_dir: Path | None, image_size: int, *, channels: int | None, resize: str) -> SourceData: ...
+
+
 # Decoded from image files at a given size; no download: their loaders say where to get them.
-_DECODED: dict[str, Callable[[Path | None, int], SourceData]] = {
+_DECODED: dict[str, _Decoder] = {
     "office-home": load_office_home,
     "chexpert": load_chexpert,
 }

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from peradapt.adapters import AdaptedModel, AdapterState
-from peradapt.data import ImageSet, iterate_minibatches, random_crop_flip, to_model_input
+from peradapt.data import ImageSet, iterate_minibatches, to_model_input
+from peradapt.data.batches import AUGMENTATIONS, augment_batch
 from peradapt.errors import TrainingDiverged
 from peradapt.evaluation.metrics import metric_value
 
@@ -26,17 +27,32 @@ if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modul
 @dataclass
 class InputPipeline:
     """Turns stored uint8 images into normalized model inputs on the model's device, at the model's `image_size`
-    (None: as stored). Augmentation crops and flips the images at their stored size."""
+    (None: as stored). Batches drawn with a generator (training) are augmented as `augment` says:
+
+    - "none": as stored (peradapt's default for all but CIFAR-10/100);
+    - "crop-flip": a random crop of the 4-px zero-padded image at its stored size and a random horizontal flip
+      (peradapt's CIFAR augmentation);
+    - "resized-crop": torchvision's RandomResizedCrop (area fraction in [0.05, 1]) straight to the model's size,
+      then a random horizontal flip: the PerAda authors' CheXpert training augmentation (their code,
+      datasets/chexpert.py), here cropped from the stored images rather than the original files.
+    """
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
     device: torch.device
-    augment: bool = False
+    augment: str = "none"
     image_size: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.augment not in AUGMENTATIONS:
+            raise ValueError(f"unknown augmentation {self.augment!r}: use {', '.join(AUGMENTATIONS)}")
+
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        if self.augment and generator is not None:
-            images = random_crop_flip(images, generator)
+        if generator is not None and self.augment != "none":
+            # Augmented on the model's device: the uint8 batch travels (a quarter of the bytes of floats), and the
+            # resampling of resized crops runs as two batched matrix products where the compute is.
+            size = self.image_size or images.shape[-1]
+            images = augment_batch(images.to(self.device, non_blocking=True), self.augment, generator, size)
         return to_model_input(images, self.mean, self.std, self.device, self.image_size)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -176,19 +192,22 @@ class LocalTrainer:
         return loss
 
     @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later
-    def logits(self, state: AdapterState, data: ImageSet) -> torch.Tensor:
-        """Inference-mode logits of the model with `state` loaded, for every image of `data`, as float32."""
+    def logits(self, state: AdapterState, data: ImageSet, inputs: InputPipeline | None = None) -> torch.Tensor:
+        """Inference-mode logits of the model with `state` loaded, for every image of `data`, as float32; the
+        images made model inputs by `inputs` (default: the clients' pipeline, never augmenting here)."""
         self.model.load_state(state)
         self.model.eval()
-        return torch.cat([self._forward(chunk) for chunk in self._chunks(data)]) if len(data) else torch.empty(0)
+        inputs = inputs or self.inputs
+        chunks = [self._forward(chunk, inputs) for chunk in self._chunks(data)]
+        return torch.cat(chunks) if chunks else torch.empty(0)
 
     def _chunks(self, data: ImageSet) -> Iterator[torch.Tensor]:
         for start in range(0, len(data), self.eval_batch_size):
             yield data.images[start : start + self.eval_batch_size]
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor:
-        with self.inputs.autocast():
-            return self.model(self.inputs(images)).float()
+    def _forward(self, images: torch.Tensor, inputs: InputPipeline) -> torch.Tensor:
+        with inputs.autocast():
+            return self.model(inputs(images)).float()
 
     def score(self, state: AdapterState, data: ImageSet) -> float:
         """The task's metric for the model with `state` on `data`: accuracy for class labels, mean ROC-AUC over

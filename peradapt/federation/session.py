@@ -19,6 +19,7 @@ from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, 
 from peradapt.backbones import BackboneInfo, fixed_image_size, load_backbone
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData, FederatedData, build_federation
+from peradapt.data.images import channel_statistics
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, RunError
 from peradapt.federation.local import InputPipeline, LocalTrainer
@@ -158,6 +159,8 @@ def build_session(
         image_size=image_size,
         download=config.data.download,
         saved_partition=saved_partition,
+        channels=config.data.channels,
+        resize=config.data.resize,
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
@@ -170,6 +173,8 @@ def build_session(
         mean=data.mean,
         std=data.std,
         image_size=data.image_size,
+        offline=config.backbone.offline,
+        normalization=config.backbone.normalization,
     )
     backbone.to(device)
     if device.type == "cuda":
@@ -185,10 +190,9 @@ def build_session(
         frozen_bn=config.method.frozen_bn,
     )
     inputs = InputPipeline(
-        _per_channel(info.mean, data.channels),
-        _per_channel(info.std, data.channels),
+        *channel_statistics(info.mean, info.std, data.channels),
         device,
-        augment=config.data.data in AUGMENTED_DATASETS,
+        augment=_augmentation(config),
         image_size=data.image_size,
     )
     trainer = LocalTrainer(model, inputs, config.method.batch_size, privacy=private_training(config, model))
@@ -202,6 +206,13 @@ def build_session(
     return Session(config, data, model, trainer, method, store, initial, info, kind, device)
 
 
+def _augmentation(config: TrainConfig) -> str:
+    """`--augment`, with auto resolved: crop + flip for CIFAR (as the paper trains it), nothing otherwise."""
+    if config.data.augment != "auto":
+        return config.data.augment
+    return "crop-flip" if config.data.data in AUGMENTED_DATASETS else "none"
+
+
 def _distillation_inputs(config: TrainConfig, data: FederatedData, inputs: InputPipeline) -> InputPipeline:
     """How distillation images become model inputs: at the model's size or `--kd-image-size` (the authors' code
     feeds CIFAR-10 at its own 32 px to Office-Home and CheXpert models), normalized as the clients' data or with
@@ -211,8 +222,8 @@ def _distillation_inputs(config: TrainConfig, data: FederatedData, inputs: Input
     own = distill.kd_normalization == "own"
     return replace(
         inputs,
-        mean=_per_channel(data.kd_mean, data.channels) if own else inputs.mean,
-        std=_per_channel(data.kd_std, data.channels) if own else inputs.std,
+        mean=data.kd_mean if own else inputs.mean,
+        std=data.kd_std if own else inputs.std,
         augment=distill.kd_augment,
         image_size=distill.kd_image_size or inputs.image_size,
     )
@@ -223,13 +234,6 @@ def _default_kind(config: TrainConfig, scope: str) -> str:
     if scope == "full" and config.method.personal_part != "adapter":
         return "none"
     return default_adapter_kind(config.backbone.backbone)
-
-
-def _per_channel(values: tuple[float, ...], channels: int) -> tuple[float, ...]:
-    """Backbone statistics for the data's channel count (RGB ImageNet statistics for grayscale data: their mean)."""
-    if len(values) == channels:
-        return values
-    return (sum(values) / len(values),) * channels
 
 
 def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
