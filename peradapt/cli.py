@@ -92,7 +92,9 @@ def train(
     backbone: Annotated[
         str | None,
         Opt(
-            help="timm model name (resnet18, resnet18_w16, vit_small_patch16_224, vit_tiny_p4_32, ...) or "
+            help="timm model name, with a pretrained tag if wanted (resnet18, resnet18.tv_in1k, resnet18_w16, "
+            "vit_small_patch16_224, vit_tiny_p4_32, ...; published weights are fetched once into the Hugging Face "
+            "cache) or "
             "hf:DIR_OR_ID (a transformers image classifier from a directory or the local Hugging Face cache). "
             f"{_default('backbone')}"
         ),
@@ -120,8 +122,11 @@ def train(
     partition: Annotated[
         str | None,
         Opt(
-            help="dir:ALPHA, iid, classes:K (over meta-categories for chexpert) or domain (office-home, --clients 4: "
-            f"client i gets domain i). {_default('partition')}"
+            help="dir:ALPHA, iid, classes:K (over meta-categories for chexpert), domain (office-home, --clients 4: "
+            "client i gets domain i), dir-balanced:ALPHA (the PerAda authors' Dirichlet split: 2 samples of every "
+            "class per client, clients capped at an even share, test split with the same proportions) or file:PATH "
+            "(a peradapt partition.json, or the authors' JSON of client number -> rows and -1 -> validation rows). "
+            f"{_default('partition')}"
         ),
     ] = None,
     rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,

@@ -123,3 +123,10 @@ def test_resume_refuses_a_preset(tmp_path, capsys, monkeypatch):
         ["train", "--out", str(tmp_path), "--resume", "--preset", "perada-cifar10"], capsys, monkeypatch
     )
     assert code == 2 and "--preset" in err
+
+
+def test_train_help_lists_the_authors_settings(capsys, monkeypatch):
+    code, out, err = run_cli(["train", "--help"], capsys, monkeypatch)
+    assert code == 0, err
+    for flag in ("--preset", "--kd-rounds", "--kd-mode", "--frozen-bn", "--augment", "--offline", "--normalization"):
+        assert flag in out
