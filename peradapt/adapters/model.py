@@ -185,13 +185,8 @@ class AdaptedModel:
         """The state of an adapter saved in PEFT layout (by `save_pretrained` or any PEFT code)."""
         if self.scope == "full":
             return self._load_full(Path(directory) / FULL_MODEL_FILE)
+        weights = _read_tensors(Path(directory) / ADAPTER_WEIGHTS_FILE, f"no adapter at {directory}")
         path = Path(directory) / ADAPTER_WEIGHTS_FILE
-        if not path.is_file():
-            raise WeightsError(f"no adapter at {directory} (missing {ADAPTER_WEIGHTS_FILE})")
-        try:
-            weights = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise WeightsError(f"cannot read adapter {path} ({exc})") from None
         try:
             result = set_peft_model_state_dict(self.module, weights)
         except RuntimeError as exc:  # shape mismatches
@@ -207,26 +202,26 @@ class AdaptedModel:
 
     @torch.no_grad()
     def _load_frozen_norms(self, path: Path) -> None:
-        if not path.is_file():
-            raise WeightsError(f"{path.parent} lacks {path.name}, which a --frozen-bn train adapter needs")
-        try:
-            statistics = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise WeightsError(f"cannot read {path} ({exc})") from None
+        statistics = _read_tensors(path, f"{path.parent} lacks what a --frozen-bn train adapter needs")
         if statistics.keys() != self._frozen_norm_buffers:
             raise WeightsError(f"{path} holds statistics of other BatchNorms than this model's")
         for name in self._frozen_norm_buffers:
             self._buffers[name].copy_(statistics[name])
 
     def _load_full(self, path: Path) -> AdapterState:
-        if not path.is_file():
-            raise WeightsError(f"no trained model at {path.parent} (missing {path.name})")
-        try:
-            state = load_file(str(path), device=str(self.device))
-        except (SafetensorError, OSError) as exc:
-            raise WeightsError(f"cannot read {path} ({exc})") from None
-        self.load_state(state)
+        self.load_state(_read_tensors(path, f"no trained model at {path.parent}", device=str(self.device)))
         return self.state()
+
+
+def _read_tensors(path: Path, missing: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file `path`; a missing or unreadable file is a WeightsError (`missing` says what
+    its absence means)."""
+    if not path.is_file():
+        raise WeightsError(f"{missing} (missing {path.name})")
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError) as exc:
+        raise WeightsError(f"cannot read {path} ({exc})") from None
 
 
 def _is_peft_copy(name: str) -> bool:
