@@ -15,7 +15,7 @@ from peradapt.data import chexpert as chexpert_module
 from peradapt.presets import PRESETS, preset_settings
 
 from .conftest import TINY_BACKBONE
-from .test_cli import run_cli
+from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_data import write_cifar
 from .test_officehome_chexpert import write_chexpert, write_office_home
 
@@ -130,3 +130,40 @@ def test_train_help_lists_the_authors_settings(capsys, monkeypatch):
     assert code == 0, err
     for flag in ("--preset", "--kd-rounds", "--kd-mode", "--frozen-bn", "--augment", "--offline", "--normalization"):
         assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--kd-rounds", "-1"], ["--kd-rounds"]),
+        (["--kd-mode", "half"], ["--kd-mode", "eval, train"]),
+        (["--kd-augment", "mixup"], ["--kd-augment"]),
+        (["--kd-loss", "mse"], ["--kd-loss", "softmax"]),
+        (["--kd-image-size", "0"], ["--kd-image-size"]),
+        (["--kd-normalization", "imagenet"], ["--kd-normalization"]),
+        (["--kd-eval-every", "-2"], ["--kd-eval-every"]),
+        (["--frozen-bn", "frozen"], ["--frozen-bn"]),
+        (["--augment", "cutout"], ["--augment", "resized-crop"]),
+        (["--channels", "2"], ["--channels"]),
+        (["--resize", "pad"], ["--resize"]),
+        (["--normalization", "imagenet"], ["--normalization"]),
+        (["--preset", "perada-mnist"], ["perada-cifar10"]),
+        (["--backbone", "resnet18.nope"], ["resnet18.tv_in1k"]),
+        (["--partition", "dir-balanced:0"], ["dir-balanced:ALPHA"]),
+        (["--partition", "file:/nonexistent/partition.json"], ["/nonexistent/partition.json"]),
+    ],
+)
+def test_bad_authors_settings_are_one_line_errors_and_write_nothing(
+    extra, needles, fmnist_dir, home, tmp_path, capsys, monkeypatch
+):
+    out = tmp_path / "run"
+    expect_user_error(tiny_args(fmnist_dir, out, *extra), capsys, monkeypatch, *needles)
+    assert not out.exists()
+
+
+def test_offline_may_change_on_resume(fmnist_dir, home, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    code, _, err = run_cli(tiny_args(fmnist_dir, out, "--rounds", "1"), capsys, monkeypatch)
+    assert code == 0, err
+    code, _, err = run_cli(["train", "--out", str(out), "--resume", "--rounds", "2", "--offline"], capsys, monkeypatch)
+    assert code == 0, err

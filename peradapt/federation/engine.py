@@ -52,7 +52,7 @@ from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
 from peradapt.progress import progress_display
 
-RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out")
+RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline")
 GLOBAL_PREFIX = "global/"
 
 
