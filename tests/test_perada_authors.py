@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
@@ -150,6 +151,11 @@ def test_frozen_bn_statistics_survive_export_and_reload(tmp_path):
     assert (tmp_path / "client" / "frozen_bn_statistics.safetensors").is_file()
     fresh = tiny_trainer(frozen_bn="train")
     assert_close(fresh.model.load_pretrained(tmp_path / "client"), state)
+    # As the README tells users of plain PEFT: the statistics load into the PEFT model by their names.
+    statistics = load_file(str(tmp_path / "client" / "frozen_bn_statistics.safetensors"))
+    assert (
+        statistics and not copy.deepcopy(fresh.model.module).load_state_dict(statistics, strict=False).unexpected_keys
+    )
 
 
 # ---------------------------------------------------------------- distillation as the authors run it
