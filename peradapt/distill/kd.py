@@ -100,6 +100,7 @@ class Distiller:
         check_every = config.kd_eval_every or max(1, steps // 10)
         loss_of = multilabel_kd_loss if config.kd_loss == "bernoulli" else kd_loss
         training_mode = config.kd_mode == "train"
+        set_mode = model.train if training_mode else model.eval  # for teachers and student alike, at every step
         # Teacher logits are a fixed function of the image only in inference mode on unaugmented images.
         cached = (
             None
@@ -121,8 +122,8 @@ class Distiller:
             if cached is not None:
                 teacher_logits = cached[batch.to(cached.device)]
             else:
-                teacher_logits = self._teacher_logits(teachers, images, training_mode)
-            model.train() if training_mode else model.eval()
+                teacher_logits = self._teacher_logits(teachers, images, set_mode)
+            set_mode()
             with inputs.autocast():
                 student_logits = model(images).float()
             loss = loss_of(student_logits, teacher_logits, config.kd_temperature)
@@ -155,17 +156,18 @@ class Distiller:
 
     @torch.no_grad()
     def _teacher_logits(
-        self, teachers: Sequence[AdapterState], images: torch.Tensor, training_mode: bool
+        self, teachers: Sequence[AdapterState], images: torch.Tensor, set_mode: Callable[[], None]
     ) -> torch.Tensor:
-        """The teachers' mean logits on this batch, each teacher loaded into the shared model in turn; the
-        student's state is put back afterwards."""
+        """The teachers' mean logits on this batch, each teacher loaded into the shared model in turn and put in
+        the distillation's mode by `set_mode`; the student's state is put back afterwards."""
+        assert self.inputs is not None
         model = self.trainer.model
         student = model.state()
         total = torch.zeros(())
         for teacher in teachers:
             model.load_state(teacher)
-            model.train() if training_mode else model.eval()
-            with self.trainer.inputs.autocast():
+            set_mode()
+            with self.inputs.autocast():
                 total = total + model(images).float()
         model.load_state(student)
         return total / len(teachers)
