@@ -54,6 +54,7 @@ from peradapt.progress import progress_display
 
 RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline")
 GLOBAL_PREFIX = "global/"
+SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -130,6 +131,9 @@ def prepare_run(config: TrainConfig, *, resume: bool, console: Console) -> Prepa
         }
         history = meta["metrics"]
     session.store.restore(tensors, len(history))
+    session.method.load_server_state(
+        {k[len(SERVER_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(SERVER_PREFIX)}
+    )
     start = len(history)
     if start:
         console.print(f"resuming {run_dir} after round {start}")
@@ -147,9 +151,10 @@ class Clients(Protocol):
     Flower ClientApps (`peradapt.flower`). Both play each client with `play_client`."""
 
     def train(
-        self, round_index: int, sampled: list[int], global_state: AdapterState, on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
     ) -> list[ClientUpdate]:
-        """The sampled clients' updates from `global_state`, in the order of `sampled`."""
+        """The updates of the clients `trained`, each from its payload (`Method.payload`: most often the one global
+        state object for all), in the order of `trained`."""
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
@@ -168,11 +173,11 @@ class LocalClients:
         self.session = session
 
     def train(
-        self, round_index: int, sampled: list[int], global_state: AdapterState, on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
     ) -> list[ClientUpdate]:
         updates = []
-        for client_id in sampled:
-            updates.append(play_client(self.session, client_id, global_state, round_index))
+        for client_id in trained:
+            updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
             on_client()
         return updates
 
@@ -185,12 +190,13 @@ class LocalClients:
         return {}
 
 
-def play_client(session: Session, client_id: int, global_state: AdapterState, round_index: int) -> ClientUpdate:
-    """Client `client_id`'s side of round `round_index` (from 0): the method's client update from the global state,
-    seeded by (seed, round, client), so that any engine, process or machine gives the same numbers."""
+def play_client(session: Session, client_id: int, payload: AdapterState, round_index: int) -> ClientUpdate:
+    """Client `client_id`'s side of round `round_index` (from 0): the method's client update from what the server
+    sent it (the global state, or the client's own payload), seeded by (seed, round, client), so that any engine,
+    process or machine gives the same numbers."""
     client_seed = derive_seed(session.config.seed, round_index, client_id)
     with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
-        return session.method.client_update(session.data.clients[client_id], global_state, client_seed)
+        return session.method.client_update(session.data.clients[client_id], payload, client_seed)
 
 
 def _store_directory(kind: str, paths: RunPaths) -> Path | None:
@@ -237,24 +243,30 @@ def _run_rounds(
     fed, seed = config.federation, config.seed
     federated = fed.clients - fed.holdout_clients  # held-out clients are the last ids: never sampled
     distiller = method.context.distiller
+    federated_ids = list(range(federated))
     with progress_display(console) as progress:
         rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history))
         for round_index in range(len(history), fed.rounds):
             sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
-            clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(sampled))
-            updates = clients.train(round_index, sampled, global_state, lambda bar=clients_bar: progress.advance(bar))
+            trained = method.clients_to_train(sampled, federated_ids)  # pFedMe, pFedBreD: every client trains
+            payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
+            clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(trained))
+            updates = clients.train(round_index, trained, payloads, lambda bar=clients_bar: progress.advance(bar))
             progress.remove_task(clients_bar)
+            by_client = {update.client_id: update for update in updates}
             kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
             global_state, server_metrics = method.server_update(
                 global_state,
-                updates,
+                [by_client[client_id] for client_id in sampled],  # the sample is aggregated, whoever trained
                 derive_seed(seed, round_index, SERVER),
                 round_index,
                 on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
             )
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
+            if trained != sampled:
+                record["trained_clients"] = len(trained)
             record.update(round_epsilons(session.trainer.privacy, session.store, sampled))
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
                 evaluated = session.client_sample  # after this round, whose checkpoint is not written yet
@@ -307,6 +319,7 @@ def _round_description(record: dict) -> str:
 
 def _save_round(session: Session, global_state: dict, history: list, paths: RunPaths) -> None:
     tensors = {GLOBAL_PREFIX + name: tensor for name, tensor in global_state.items()}
+    tensors.update({SERVER_PREFIX + name: tensor for name, tensor in session.method.server_state().items()})
     tensors.update(session.store.checkpoint_tensors())
     write_text_atomic(paths.metrics, "".join(json.dumps(record) + "\n" for record in history))
     save_checkpoint(paths.checkpoints, len(history), tensors, {"metrics": history})

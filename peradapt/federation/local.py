@@ -85,15 +85,17 @@ class LocalTrainer:
         seed: int,
         anchor: AdapterState | None = None,
         lam: float = 0.0,
+        steps: int | None = None,
     ) -> tuple[AdapterState, float]:
-        """`epochs` passes of minibatch SGD on the loss (see `loss`) from `start`.
+        """`epochs` passes of minibatch SGD on the loss (see `loss`) from `start`; with `steps`, that many minibatch
+        steps instead (`minibatches`).
 
         With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
         (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss. With `privacy`, the
         gradient of L is DP-SGD's (see `private_sgd`).
         """
         if self.privacy is not None:
-            return self.private_sgd(start, data, epochs=epochs, lr=lr, seed=seed, anchor=anchor, lam=lam)
+            return self.private_sgd(start, data, epochs=epochs, lr=lr, seed=seed, anchor=anchor, lam=lam, steps=steps)
         model = self.model
         model.load_state(start)
         model.train()
@@ -103,7 +105,7 @@ class LocalTrainer:
         # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
         optimizer = torch.optim.SGD(values, lr=lr, foreach=True)
         total_loss, batches = 0.0, 0
-        for images, labels in self.minibatches(data, epochs=epochs, seed=seed):
+        for images, labels in self.minibatches(data, epochs=epochs, seed=seed, steps=steps):
             loss = self.loss(images, labels, lr)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -126,11 +128,12 @@ class LocalTrainer:
         seed: int,
         anchor: AdapterState | None = None,
         lam: float = 0.0,
+        steps: int | None = None,
     ) -> tuple[AdapterState, float]:
         """`sgd` as DP-SGD (`peradapt.federation.privacy`): Poisson-sampled batches, each sample's gradient clipped
         to C, Gaussian noise of std σC, the mean over the expected batch size; then the proximal pull
         lam * (v - w), a function of parameters only, taken as it is. Returns the final state and the mean loss
-        per sample."""
+        per sample. With `steps`, that many Poisson batches."""
         privacy = self.privacy
         assert privacy is not None and data.labels is not None
         model = self.model
@@ -138,7 +141,7 @@ class LocalTrainer:
         model.train()
         parameters = model.trainable_parameters()
         generator = seeded_generator(seed)  # Poisson draws, augmentation and dropout; the noise has its own
-        batches = privacy.batches(len(data), self.batch_size, epochs)
+        batches = privacy.batches(len(data), self.batch_size, epochs, steps)
         optimizer = privacy.optimizer(parameters.values(), lr=lr, batches=batches, seed=seed)
         total_loss, samples = 0.0, 0
         with privacy.per_sample_gradients(model.module):
@@ -162,18 +165,26 @@ class LocalTrainer:
         privacy.spend(batches)
         return model.state(), total_loss / max(samples, 1)
 
-    def minibatches(self, data: ImageSet, *, epochs: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Shuffled, augmented (images, labels) batches on the model's device for `epochs` passes.
+    def minibatches(
+        self, data: ImageSet, *, epochs: int, seed: int, steps: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Shuffled, augmented (images, labels) batches on the model's device for `epochs` passes; with `steps`,
+        exactly `steps` batches instead, pass after pass (`--local-steps`: papers that count local iterations).
 
         The order, the augmentation and dropout all follow `seed`. Methods with their own update rules
         (pFedMe, APFL, ...) loop over these and call `loss`, with the model in training mode.
         """
         assert data.labels is not None, "training data must be labeled"
         generator = seeded_generator(seed)
-        for _ in range(epochs):
+        drawn, passes = 0, 0
+        while (drawn < steps) if steps is not None else (passes < epochs):
             for batch in iterate_minibatches(len(data), self.batch_size, generator):
+                if steps is not None and drawn == steps:
+                    return
                 images = self.inputs(data.images[batch], generator)
+                drawn += 1
                 yield images, data.labels[batch].to(self.inputs.device, non_blocking=True)
+            passes += 1
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
         """Loss of the model as it is loaded: cross-entropy for class indices, binary cross-entropy per label

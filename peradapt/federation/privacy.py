@@ -115,12 +115,13 @@ class PrivateTraining:
         return self.config.dp_clip
 
     @staticmethod
-    def batches(num_samples: int, batch_size: int, epochs: int) -> PoissonBatches:
-        """`epochs` epochs of ceil(n / B) steps at q = 1 / ceil(n / B): each sample once per epoch on average."""
+    def batches(num_samples: int, batch_size: int, epochs: int, steps: int | None = None) -> PoissonBatches:
+        """`epochs` epochs of ceil(n / B) steps at q = 1 / ceil(n / B): each sample once per epoch on average; with
+        `steps`, that many steps at the same q."""
         steps_per_epoch = math.ceil(num_samples / batch_size)
         if steps_per_epoch == 0:  # no data, no step (as plain SGD)
             return PoissonBatches(0, 1.0, 0)
-        return PoissonBatches(num_samples, 1 / steps_per_epoch, epochs * steps_per_epoch)
+        return PoissonBatches(num_samples, 1 / steps_per_epoch, epochs * steps_per_epoch if steps is None else steps)
 
     def optimizer(
         self, parameters: Iterable[nn.Parameter], *, lr: float, batches: PoissonBatches, seed: int

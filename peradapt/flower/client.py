@@ -1,4 +1,4 @@
-"""The ClientApp: plays the sampled clients of a peradapt run on a Flower node (a simulated one or a SuperNode).
+"""The ClientApp: plays the trained clients of a peradapt run on a Flower node (a simulated one or a SuperNode).
 
 A message names the run's directory, the round and the client; the app builds the run's session from that
 directory (config.json, partition.json: the same data split, backbone, adapters and method as the server) and
@@ -59,7 +59,8 @@ def setup(message: Message, context: Context) -> Message:
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """Client `client`'s side of round `round` (from 0), from the global adapter the message holds."""
+    """Client `client`'s side of round `round` (from 0), from the payload the message holds (the global adapter,
+    or the client's own for methods that send each client its own model)."""
     task = message.content[r.TASK]
     session = _session(context, task)
     client_id, round_index = int(task[r.CLIENT]), int(task[r.ROUND])

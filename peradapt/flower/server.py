@@ -51,11 +51,11 @@ class FlowerClients:
         self._connected = False
 
     def train(
-        self, round_index: int, sampled: list[int], global_state: AdapterState, on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
     ) -> list[ClientUpdate]:
         self._connect()
-        messages = self.strategy.configure_train(round_index, sampled, global_state)
-        return self.strategy.aggregate_train(sampled, self._exchange(messages, "client", on_client))
+        messages = self.strategy.configure_train(round_index, trained, payloads)
+        return self.strategy.aggregate_train(trained, self._exchange(messages, "client", on_client))
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int

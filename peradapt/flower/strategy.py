@@ -5,9 +5,11 @@ One hook pair per step, named as Flower's strategies name theirs (`configure_*` 
 
 - setup: every node learns where the run is (and, with a run directory of its own, receives config.json and
   partition.json); it answers with its partition id and count, which say the clients it hosts (`records.hosts`).
-- train: each sampled client's node gets the global adapter and plays the client's update; it answers with the
-  upload (`ClientUpdate.upload`: the local adapter, APFL's w_m, a partial method's shared part, ...), its sample
-  count and its losses. `Method.server_update` then runs on the server, as in the builtin engine.
+- train: each trained client's node (the sampled clients', or every client's for methods that train all) gets
+  the client's payload (`Method.payload`: the global adapter, or MTL's model of its own) and plays the client's
+  update; it answers with the upload (`ClientUpdate.upload`: the local adapter, APFL's w_m, a partial method's
+  shared part, ...), its sample count and its losses. `Method.server_update` then runs on the server, as in the
+  builtin engine.
 - personalized: for evaluation and export, a client's node gets the global adapter and answers with the adapter
   the client is evaluated with (`Method.personalized`), or names the global or initial adapter if it is one.
 
@@ -71,20 +73,27 @@ class PeradaptStrategy:
     # ------------------------------------------------------------ train
 
     def configure_train(
-        self, round_index: int, sampled: Sequence[int], global_state: AdapterState
+        self, round_index: int, trained: Sequence[int], payloads: dict[int, AdapterState]
     ) -> list[tuple[int, Message]]:
-        arrays = r.to_record(global_state)  # one record for all: a SuperLink stores it once
-        self._down = dict.fromkeys(sampled, arrays.count_bytes())
+        """A message per client with its payload; clients sent the same state object (most often the global
+        adapter, sent to all) share one record, which a SuperLink stores once."""
+        records: dict[int, ArrayRecord] = {}
+        for client in trained:
+            state = payloads[client]
+            if id(state) not in records:
+                records[id(state)] = r.to_record(state)
+        arrays = {client: records[id(payloads[client])] for client in trained}
+        self._down = {client: arrays[client].count_bytes() for client in trained}
         self._up, self._evaluation = {}, 0
         return [
-            (client, self._message(r.TRAIN, client, arrays, {r.ROUND: round_index, r.CLIENT: client}))
-            for client in sampled
+            (client, self._message(r.TRAIN, client, arrays[client], {r.ROUND: round_index, r.CLIENT: client}))
+            for client in trained
         ]
 
-    def aggregate_train(self, sampled: Sequence[int], replies: dict[int, Message]) -> list[ClientUpdate]:
-        """The sampled clients' updates, in the order of `sampled` (the order the builtin engine plays them in)."""
+    def aggregate_train(self, trained: Sequence[int], replies: dict[int, Message]) -> list[ClientUpdate]:
+        """The trained clients' updates, in the order of `trained` (the order the builtin engine plays them in)."""
         updates = []
-        for client in sampled:
+        for client in trained:
             content = replies[client].content
             upload: ArrayRecord = content[r.UPLOAD]
             self._up[client] = upload.count_bytes()
@@ -123,8 +132,9 @@ class PeradaptStrategy:
 
     def traffic(self) -> dict:
         """The round's bytes: sent to (`bytes_down`) and by (`bytes_up`) each client of its training, in the order
-        of the record's `clients`; all personalized-adapter exchanges of its evaluation (`bytes_evaluation`); and
-        the full model's size (`bytes_full_model`)."""
+        of the record's `clients` (all federated clients in id order when the record has `trained_clients`); all
+        personalized-adapter exchanges of its evaluation (`bytes_evaluation`); and the full model's size
+        (`bytes_full_model`)."""
         sampled = list(self._down)
         record = {
             "bytes_down": [self._down[c] for c in sampled],

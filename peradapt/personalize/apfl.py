@@ -75,7 +75,7 @@ class APFL(Method):
         trainer.model.train()
         w_losses, mixed_losses = [], []
         for images, labels in trainer.minibatches(
-            client.train, epochs=config.local_epochs, seed=derive_seed(seed, LOCAL)
+            client.train, epochs=config.local_epochs, steps=config.local_steps, seed=derive_seed(seed, LOCAL)
         ):
             grad_w, w_buffers, w_loss = self._gradient(w, images, labels) if train_w else ({}, w, 0.0)
             grad_mixed, mixed_buffers, mixed_loss = self._gradient(self.mix(alpha, v, w), images, labels)

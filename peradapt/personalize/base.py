@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from peradapt.adapters import AdapterState
 from peradapt.config import MethodConfig
 from peradapt.data import ClientData
@@ -41,6 +43,7 @@ class MethodContext:
     distiller: Distiller | None
     clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
     run_seed: int = 0  # --seed, for randomness outside the rounds (e.g. fine-tuning at evaluation time)
+    federated: int | None = None  # clients that take part in training (all but --holdout-clients); None: all
 
 
 class Method(ABC):
@@ -78,6 +81,26 @@ class Method(ABC):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """The adapter client `client_id` is evaluated and exported with."""
 
+    def clients_to_train(self, sampled: list[int], federated: list[int]) -> list[int]:
+        """The clients that run `client_update` this round: the sampled ones. Methods whose papers train every
+        client each round and aggregate a sample (pFedMe, pFedBreD) return `federated`; `server_update` always gets
+        the sampled clients' updates only."""
+        return sampled
+
+    def payload(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        """What the server sends client `client_id` for its update (`client_update`'s `global_state`): the global
+        state itself, unless the method sends each client a model of its own (MTL)."""
+        return global_state
+
+    def server_state(self) -> dict[str, torch.Tensor]:
+        """State the server keeps between rounds beyond the global adapter (FedDyn's h, MTL's client models): saved
+        in every round checkpoint and given back to `load_server_state` on --resume."""
+        return {}
+
+    def load_server_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `server_state` returned at the checkpoint a run resumes from ({} at round 0)."""
+        del tensors  # no server state by default
+
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """The personalized model of a client that never took part in training, from the final global model.
 
@@ -91,7 +114,12 @@ class Method(ABC):
         """E epochs of plain SGD from the global state (FedAvg's client step; PerAda Algorithm 1, line 15)."""
         config = self.config
         return self.trainer.sgd(
-            global_state, client.train, epochs=config.local_epochs, lr=config.lr, seed=derive_seed(seed, LOCAL)
+            global_state,
+            client.train,
+            epochs=config.local_epochs,
+            steps=config.local_steps,
+            lr=config.lr,
+            seed=derive_seed(seed, LOCAL),
         )
 
     def parameter_counts(self) -> dict[str, int]:

@@ -33,6 +33,7 @@ class Standalone(Method):
             self.personalized(client.client_id, global_state),
             client.train,
             epochs=self.config.local_epochs,
+            steps=self.config.local_steps,
             lr=self.config.lr,
             seed=derive_seed(seed, LOCAL),
         )
