@@ -29,7 +29,13 @@ def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, t
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, completed_rounds)
     tmp = path.with_suffix(".tmp")
-    contiguous = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+    contiguous, seen = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.numel() and tensor.data_ptr() in seen:  # a state held by several clients: safetensors wants copies
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        contiguous[name] = tensor
     save_file(contiguous, str(tmp), metadata={_META_KEY: json.dumps(meta)})
     os.replace(tmp, path)
     for older in directory.glob(_PATTERN):
