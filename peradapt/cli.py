@@ -134,8 +134,23 @@ def train(
         int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")
     ] = None,
     local_epochs: Annotated[int | None, Opt(help=f"Epochs E on the local adapter. {_default('local_epochs')}")] = None,
+    local_steps: Annotated[
+        int | None,
+        Opt(
+            help="Local work as N minibatch steps instead of --local-epochs (pFedMe and pFedBreD count R = 20 "
+            "iterations) \\[default: --local-epochs].",
+            metavar="N",
+        ),
+    ] = None,
     personal_epochs: Annotated[
         int | None, Opt(help=f"Epochs S on the personalized adapter. {_default('personal_epochs')}")
+    ] = None,
+    body_epochs: Annotated[
+        int | None,
+        Opt(
+            help="FedRep: epochs on the shared body after --personal-epochs on the head (it ignores --local-epochs; "
+            f"Collins et al.: 1, 5 on some datasets). {_default('body_epochs')}"
+        ),
     ] = None,
     lam: Annotated[
         str | None,
@@ -145,23 +160,103 @@ def train(
     ] = None,
     lr: Annotated[float | None, Opt(help=f"Client SGD learning rate. {_default('lr')}")] = None,
     personal_lr: Annotated[float | None, Opt(help="Learning rate of personalized models \\[default: --lr].")] = None,
-    ft_epochs: Annotated[int | None, Opt(help=f"fedavg-ft: fine-tuning epochs. {_default('ft_epochs')}")] = None,
+    ft_epochs: Annotated[
+        int | None, Opt(help="Fine-tuning epochs of fedavg-ft and fedbabu \\[default: the method's: 1, 5].")
+    ] = None,
     inner_steps: Annotated[int | None, Opt(help=f"pFedMe/pFedBreD inner steps K. {_default('inner_steps')}")] = None,
     beta: Annotated[
         float | None, Opt(help=f"Server step: β of pFedMe/pFedBreD, γλ of fedprox. {_default('beta')}")
     ] = None,
+    mu: Annotated[
+        float | None, Opt(help=f"fedprox-li: proximal strength μ towards the global model. {_default('mu')}")
+    ] = None,
+    aggregation: Annotated[
+        str | None,
+        Opt(
+            help="Partial-model methods', perfedavg's, pfedme's and pfedbred's server mean over the sampled clients: "
+            "samples (weighted by their sample counts) or uniform \\[default: the method's paper: uniform for fedrep, "
+            "perfedavg, pfedme and pfedbred, samples for the others]."
+        ),
+    ] = None,
+    train_clients: Annotated[
+        str | None,
+        Opt(
+            help="Who trains each round: all (every client, the server averaging only the sampled ones: pFedMe and "
+            "pFedBreD, Algorithm 1) or sampled \\[default: the method's paper].",
+        ),
+    ] = None,
     am: Annotated[
         bool | None, Opt("--am", help="pFedMe/pFedBreD aggregate momentum: server step β = 2, overriding --beta.")
     ] = None,
-    prior: Annotated[str | None, Opt(help=f"pFedBreD prior mean: lg, meg or mh. {_default('prior')}")] = None,
+    prior: Annotated[
+        str | None,
+        Opt(
+            help="pFedBreD prior mean: lg, meg, mh (Eq. 14) or mh-code (the authors' code's mh: the Eq. 24 look-ahead "
+            f"gradient on a second minibatch, w stepped by it, the inner problem started there). {_default('prior')}"
+        ),
+    ] = None,
     prior_lr: Annotated[
-        float | None, Opt(help=f"pFedBreD meta-step η_α on the loss gradient (lg, mh). {_default('prior_lr')}")
+        float | None, Opt(help=f"pFedBreD meta-step η_α on the loss gradient (lg, mh, mh-code). {_default('prior_lr')}")
     ] = None,
     prior_eta: Annotated[
         float | None, Opt(help=f"pFedBreD meta-step η on the memorized envelope gradient. {_default('prior_eta')}")
     ] = None,
     apfl_alpha: Annotated[float | None, Opt(help=f"APFL initial mixing weight α. {_default('apfl_alpha')}")] = None,
     alpha_lr: Annotated[float | None, Opt(help="APFL step size of α (0: α stays fixed) \\[default: --lr].")] = None,
+    ft_steps: Annotated[
+        int | None,
+        Opt(
+            help="Fine-tuning methods (fedavg-ft, perfedavg, ...): fine-tune with N minibatch steps instead of "
+            "--ft-epochs (0: none) \\[default: perfedavg 1 unless --ft-epochs is given, the paper's one step; the "
+            "others --ft-epochs].",
+            metavar="N",
+        ),
+    ] = None,
+    feddyn_alpha: Annotated[
+        float | None, Opt(help=f"FedDyn α: weight of the dynamic regularizer. {_default('feddyn_alpha')}")
+    ] = None,
+    feddyn_client_alpha: Annotated[
+        str | None,
+        Opt(
+            help="FedDyn α per client: uniform (Algorithm 1) or by-size (the authors' code: α·n̄/n_k, n_k the "
+            f"client's samples, n̄ their mean). {_default('feddyn_client_alpha')}"
+        ),
+    ] = None,
+    perfedavg_variant: Annotated[
+        str | None,
+        Opt(
+            help="Per-FedAvg meta-gradient: hf (Hessian-free: finite-difference Hessian-vector product) or fo "
+            f"(first-order, as PFLlib). {_default('perfedavg_variant')}"
+        ),
+    ] = None,
+    perfedavg_delta: Annotated[
+        float | None, Opt(help=f"Per-FedAvg (HF) finite-difference step δ. {_default('perfedavg_delta')}")
+    ] = None,
+    ala_sample: Annotated[
+        float | None,
+        Opt(help=f"FedALA s: percent of the local data ALA learns its weights on. {_default('ala_sample')}"),
+    ] = None,
+    ala_layers: Annotated[
+        int | None,
+        Opt(help=f"FedALA p: ALA on the last p layers (1: the head; 0: all). {_default('ala_layers')}"),
+    ] = None,
+    ala_lr: Annotated[
+        float | None, Opt(help=f"FedALA η: step size of the aggregation weights. {_default('ala_lr')}")
+    ] = None,
+    mtl_omega: Annotated[
+        str | None,
+        Opt(
+            help="MTL task relationships Ω: mean (fixed (I - 11ᵀ/M)², mean-regularized) or learned (MOCHA's "
+            f"Ω-step every round, as the authors' code). {_default('mtl_omega')}"
+        ),
+    ] = None,
+    personal_head_init: Annotated[
+        str | None,
+        Opt(
+            help="FedRoD: each client's personal head at start: zero (the global model is then the generic one) "
+            f"or generic (a copy of the initial generic head, as PFLlib). {_default('personal_head_init')}"
+        ),
+    ] = None,
     batch_size: Annotated[int | None, Opt(help=f"Client minibatch size. {_default('batch_size')}")] = None,
     server_lr: Annotated[float | None, Opt(help=f"Distillation Adam learning rate. {_default('server_lr')}")] = None,
     kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,

@@ -77,21 +77,42 @@ class MethodConfig:
     scope: str | None = None  # adapter or full; None: the method's own default
     personal_part: str | None = None  # partial-model methods: bn, head, input, output or adapter
     local_epochs: int = 10
+    local_steps: int | None = None  # E as minibatch steps instead of epochs (papers that count local iterations)
     personal_epochs: int = 10
+    body_epochs: int = 1  # FedRep: epochs on the shared body after the head's personal_epochs (Collins et al.: 1)
     lam: float = 1.0
     lam_auto: bool = False  # `--lam auto`: the personalized-FedProx rule chooses lam from heterogeneity
     lr: float = 0.01
     personal_lr: float | None = None  # None: --lr
     batch_size: int = 64
-    ft_epochs: int = 1  # fedavg-ft: fine-tuning epochs before evaluation
+    ft_epochs: int | None = None  # fine-tuning epochs before evaluation (fedavg-ft, fedbabu); None: the method's
     inner_steps: int = 3  # K: inner steps of pFedMe / pFedBreD
     beta: float = 1.0  # server step size of pFedMe / pFedBreD
+    mu: float = 1.0  # FedProx (Li et al.) proximal mu: 1 is their best value on MNIST, FEMNIST and synthetic data
+    aggregation: str | None = None  # server mean, partial models, pFedMe...: samples or uniform; None: the paper's
     am: bool = False  # pFedMe / pFedBreD aggregate momentum (pFedBreD Appendix C.4): beta = 2, overriding beta
-    prior: str = "mh"  # pFedBreD prior mean (Shi et al. Eq. 14): lg, meg or mh
-    prior_lr: float = 0.01  # pFedBreD eta_alpha: meta-step on the loss gradient (lg, mh)
+    # Who runs the client update each round: all (every federated client; only the sample is aggregated) or
+    # sampled; None: the method's paper (all for pFedMe and pFedBreD, Algorithm 1; sampled for the others).
+    train_clients: str | None = None
+    prior: str = "mh"  # pFedBreD prior mean: lg, meg, mh (Shi et al. Eq. 14) or mh-code (the authors' code's mh)
+    prior_lr: float = 0.01  # pFedBreD eta_alpha: meta-step on the loss gradient (lg, mh, mh-code)
     prior_eta: float = 0.05  # pFedBreD eta: meta-step on the memorized envelope gradient (meg, mh)
     apfl_alpha: float = 0.5  # APFL: initial mixing weight alpha_m^(0) of every client
     alpha_lr: float | None = None  # APFL: step size of alpha (Deng et al. eq. 10); None: --lr, 0: alpha fixed
+    # fine-tuning methods (fedavg-ft, perfedavg, ...): N minibatch steps instead of --ft-epochs; None: the method's
+    # default (perfedavg: 1 step, the paper's evaluation, unless --ft-epochs is given; others: --ft-epochs), 0: none
+    ft_steps: int | None = None
+    feddyn_alpha: float = 0.01  # FedDyn alpha: weight of the dynamic regularizer (the authors' CIFAR-10 script)
+    feddyn_client_alpha: str = "uniform"  # FedDyn: uniform (alpha for all, Algorithm 1) or by-size (authors' code)
+    perfedavg_variant: str = "hf"  # Per-FedAvg meta-gradient: hf (Hessian-free) or fo (first-order)
+    perfedavg_delta: float = 0.001  # Per-FedAvg (HF): finite-difference step delta of the Hessian-vector product
+    ala_sample: float = 80.0  # FedALA s: percent of the local data on which ALA learns its weights (the paper: 80)
+    ala_layers: int = 1  # FedALA p: ALA on the last p layers (modules), 1 = the head; 0: every layer
+    ala_lr: float = 1.0  # FedALA eta: SGD step size of the aggregation weights (the paper: 1.0)
+    mtl_omega: str = "mean"  # MTL task relationships: mean (fixed (I - 11^T/M)^2) or learned (MOCHA's Omega-step)
+    # FedRoD: each client's personal head at start: zero (the model's own, peradapt) or generic (a copy of the
+    # initial generic head, as PFLlib's clientrod.py deep-copies the model's head)
+    personal_head_init: str = "zero"
     # BatchNorms of the frozen backbone during client training: eval (pretrained statistics, Algorithm 1 trains
     # adapters only) or train (batch statistics, running statistics re-estimated per client: the authors' code).
     frozen_bn: str = "eval"
@@ -198,6 +219,9 @@ class TrainConfig:
             "batch_size": method.batch_size,
             "kd_batch_size": distill.kd_batch_size,
         }
+        if method.local_steps is not None:  # None: --local-epochs counts the local work
+            positive["local_steps"] = method.local_steps
+        positive["body_epochs"] = method.body_epochs
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -207,7 +231,9 @@ class TrainConfig:
             "personal_epochs": method.personal_epochs,
             "kd_steps": distill.kd_steps,
             "lam": method.lam,
-            "ft_epochs": method.ft_epochs,
+            "ft_epochs": method.ft_epochs or 0,  # None: the method's own
+            "ft_steps": method.ft_steps or 0,  # None: the method's own
+            "mu": method.mu,
             "inner_steps": method.inner_steps,
             "eval_every": fed.eval_every,
         }
@@ -246,6 +272,10 @@ class TrainConfig:
             raise ConfigError(f"unknown --scope '{method.scope}': use adapter or full")
         if method.personal_part not in (None, *PERSONAL_PARTS):
             raise ConfigError(f"unknown --personal-part '{method.personal_part}': use {', '.join(PERSONAL_PARTS)}")
+        if method.train_clients not in (None, *TRAIN_CLIENTS):
+            raise ConfigError(f"unknown --train-clients '{method.train_clients}': use {', '.join(TRAIN_CLIENTS)}")
+        if method.aggregation not in (None, *AGGREGATIONS):
+            raise ConfigError(f"unknown --aggregation '{method.aggregation}': use {', '.join(AGGREGATIONS)}")
         if (method.personal_lr is not None and method.personal_lr <= 0) or method.beta <= 0:
             raise ConfigError("--personal-lr and --beta must be positive")
         if method.lr <= 0 or distill.server_lr <= 0:
@@ -289,6 +319,8 @@ class TrainConfig:
 
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
+TRAIN_CLIENTS = ("all", "sampled")  # --train-clients: every federated client each round, or only the sampled ones
+AGGREGATIONS = ("samples", "uniform")  # server mean over the sampled clients: n_m-weighted or plain
 AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
 RESIZES = ("squeeze", "center-crop")
 NORMALIZATIONS = ("auto", "data")

@@ -1,5 +1,6 @@
-"""Tests for the partial-model baselines (FedBN, FedRep, LG-FedAvg, FedAlt, FedSim): which keys are personal,
-one client step and one server step against plain autograd, Table 1's parameter counts, and one CLI round each."""
+"""Tests for the partial-model baselines (FedBN, FedRep, FedPer, LG-FedAvg, FedAlt, FedSim): which keys are
+personal, one client step and one server step against plain autograd, Table 1's parameter counts, and one CLI round
+each. FedRep's and FedBABU's own schedules: tests/test_body_head.py."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def full_trainer(kind="none"):
     return LocalTrainer(model, pipeline, batch_size=BATCH)
 
 
-def build(name, trainer, initial, part=None):
+def build(name, trainer, initial, part=None, **settings):
     config = MethodConfig(
-        method=name, personal_part=part, local_epochs=1, personal_epochs=1, lr=LR, personal_lr=PERSONAL_LR
+        method=name, personal_part=part, local_epochs=1, personal_epochs=1, lr=LR, personal_lr=PERSONAL_LR, **settings
     )
     return METHODS[name](MethodContext(config, trainer, ClientStore(), initial, distiller=None))
 
@@ -78,6 +79,7 @@ def expected_personal(part, keys):
     [
         ("fedbn", None, "bn"),
         ("fedrep", None, "head"),
+        ("fedper", None, "head"),
         ("lg-fedavg", None, "extractor"),
         ("fedalt", None, "head"),  # output layer = head
         ("fedsim", "input", "input"),
@@ -147,6 +149,7 @@ def changed(a, b):
         ("fedsim", "input", False),
         ("fedbn", None, False),
         ("lg-fedavg", None, False),
+        ("fedper", None, False),  # FedSim with the head personal
     ],
 )
 def test_client_update_matches_hand_sgd(name, part, alternating):
@@ -204,10 +207,20 @@ def test_second_round_starts_from_the_stored_personal_part():
 # ---------------------------------------------------------------- server step and personalized models
 
 
-def test_server_averages_only_the_shared_keys_weighted_by_samples():
+@pytest.mark.parametrize(
+    ("name", "aggregation", "weighted"),
+    [
+        ("fedper", None, True),  # Arivazhagan et al.: sum_j n_j W_B,j / n
+        ("fedalt", None, True),
+        ("fedrep", None, False),  # Collins et al., Algorithm 1: (1/|I^t|) sum phi_i
+        ("fedrep", "samples", True),  # the authors' code on FEMNIST/Sent140, PFLlib
+        ("fedper", "uniform", False),
+    ],
+)
+def test_server_averages_only_the_shared_keys(name, aggregation, weighted):
     trainer = full_trainer()
     initial = perturbed(trainer.model, seed=1)
-    method = build("fedrep", trainer, initial)
+    method = build(name, trainer, initial, aggregation=aggregation)
     head = {"fc.weight", "fc.bias"}
     global_state = perturbed(trainer.model, seed=2)
     uploads = []
@@ -226,9 +239,12 @@ def test_server_averages_only_the_shared_keys_weighted_by_samples():
         elif key.endswith("num_batches_tracked"):
             assert new_global[key].item() == 7  # integer counters: the first upload's
         else:
-            expected = (1 * uploads[0][key] + 3 * uploads[1][key] + 6 * uploads[2][key]) / 10
+            weights = [n / 10 for n in sizes] if weighted else [1 / 3] * 3
+            expected = sum(w * u[key] for w, u in zip(weights, uploads, strict=True))
             assert_close(new_global[key], expected, **TOL)
-    assert not torch.allclose(new_global["layer1.0.conv1.weight"], sum(u["layer1.0.conv1.weight"] for u in uploads) / 3)
+    other = [1 / 3] * 3 if weighted else [n / 10 for n in sizes]
+    key = "layer1.0.conv1.weight"
+    assert not torch.allclose(new_global[key], sum(w * u[key] for w, u in zip(other, uploads, strict=True)))
 
     # A client never sampled: new shared part, initial head. A sampled one: new shared part, its own head.
     fresh = method.personalized(0, new_global)
@@ -300,7 +316,14 @@ def test_parameter_counts_reproduce_table_1(resnet18_trainers):
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("fedbn", ()), ("fedrep", ()), ("lg-fedavg", ()), ("fedalt", ()), ("fedsim", ("--personal-part", "adapter"))],
+    [
+        ("fedbn", ()),
+        ("fedrep", ()),
+        ("fedper", ()),
+        ("lg-fedavg", ()),
+        ("fedalt", ()),
+        ("fedsim", ("--personal-part", "adapter")),
+    ],
 )
 def test_one_round_on_the_command_line(name, extra, tmp_path, fmnist_dir, capsys, monkeypatch, home):
     run = tmp_path / "run"

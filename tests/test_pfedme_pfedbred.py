@@ -12,19 +12,23 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from peradapt.config import MethodConfig
 from peradapt.errors import ConfigError
+from peradapt.federation.checkpoint import load_latest_checkpoint
 from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.federation.store import ClientStore
 from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
+from peradapt.personalize.base import PERSONAL_KEY, build_method
 from peradapt.personalize.pfedbred import MEMORY_KEY, PFedBreD
 from peradapt.personalize.pfedme import PFedMe
 
-from .test_cli import run_cli, tiny_args
+from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed, tiny_trainer, train_mode
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAM, LR, PERSONAL_LR, K = 0.5, 0.1, 0.05, 2
 PRIOR_LR, PRIOR_ETA = 0.3, 0.4  # large enough that each term of Eq. (14) visibly moves mu
@@ -89,9 +93,9 @@ def hand_inner(module, images, labels, anchor, steps=K, lr=PERSONAL_LR, lam=LAM)
                 parameter.sub_(lr * (grads[name] + lam * (parameter - anchor[name])))
 
 
-def batches_of(trainer, data, seed=0, epochs=1):
+def batches_of(trainer, data, seed=0, epochs=1, steps=None):
     """The minibatches (order and all) that the client sees with this round seed."""
-    return list(trainer.minibatches(data, epochs=epochs, seed=derive_seed(seed, LOCAL)))
+    return list(trainer.minibatches(data, epochs=epochs, steps=steps, seed=derive_seed(seed, LOCAL)))
 
 
 def hand_pfedme(trainer, w, batches):
@@ -132,6 +136,44 @@ def hand_pfedbred(trainer, prior, w, theta0, memory, batches):
         local = {n: local[n] - LR * LAM * (mu[n] - theta[n]) for n in names}  # line 9, Eq. (13)
     personal = values(module, w)
     return personal, {**personal, **local}
+
+
+def hand_mh_code(trainer, w, theta0, memory, batches):
+    """The authors' code's mh (pFedBreD_public, pFedBreD_ns_mh), local step r on consecutive minibatches D, D':
+    w <- w - eta_a grad f(w - eta_a grad f(w; D); D'); mu = w - eta (w_mem - theta_{r-1}); K inner steps on D'
+    from that w; w <- w - alpha_m lam (mu - theta_r)."""
+    names = names_of(trainer)
+    module = module_at(trainer, w)
+    set_params(module, theta0)
+    local = {n: w[n].clone() for n in names}
+    assert len(batches) % 2 == 0
+    for (images1, labels1), (images2, labels2) in zip(batches[::2], batches[1::2], strict=True):
+        theta = values(module, names)  # theta_{r-1}
+        set_params(module, local)
+        at_w = grad_f(module, images1, labels1)
+        set_params(module, {n: local[n] - PRIOR_LR * at_w[n] for n in names})  # the look-ahead point
+        look_ahead = grad_f(module, images2, labels2)
+        local = {n: local[n] - PRIOR_LR * look_ahead[n] for n in names}  # w takes the step itself
+        mu = {n: local[n] - PRIOR_ETA * (memory[n] - theta[n]) for n in names}
+        set_params(module, local)  # the inner problem starts at the stepped w, not at theta_{r-1}
+        hand_inner(module, images2, labels2, anchor=mu)
+        theta = values(module, names)
+        local = {n: local[n] - LR * LAM * (mu[n] - theta[n]) for n in names}
+    personal = values(module, w)
+    return personal, {**personal, **local}
+
+
+def counting(trainer):
+    """Record every minibatch the trainer hands out (to count the local work)."""
+    drawn, original = [], trainer.minibatches
+
+    def minibatches(*args, **kwargs):
+        for batch in original(*args, **kwargs):
+            drawn.append(batch)
+            yield batch
+
+    trainer.minibatches = minibatches
+    return drawn
 
 
 def differs(a, b, names):
@@ -192,7 +234,7 @@ def test_prior_mean_is_eq_14(prior):
     trainer.model.load_state(theta_state)
     trainer.model.train()
 
-    mu = method.prior_mean(local, memory, images, labels)
+    mu = method.prior_mean(local, memory, [(images, labels)])
 
     module = module_at(trainer, theta_state)
     set_params(module, w)
@@ -274,6 +316,102 @@ def test_pfedbred_rejects_an_unknown_prior():
         make(PFedBreD, trainer, prior_eta=-1.0)
 
 
+# ---------------------------------------------------------------- pFedBreD mh as the authors' code (Eq. 24)
+
+
+def test_mh_code_local_step_takes_the_look_ahead_gradient_on_a_second_minibatch():
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=3)
+    w, theta0, memory = (perturbed(trainer.model, seed=s) for s in (2, 6, 7))
+    method = make(PFedBreD, trainer, prior="mh-code", local_steps=1)
+    method.store.put(4, PERSONAL_KEY, theta0)
+    method.store.put(4, MEMORY_KEY, memory)
+    drawn = counting(trainer)
+
+    update = method.client_update(client(4, data), w, seed=0)
+
+    used = list(drawn)
+    batches = batches_of(trainer, data, steps=2)  # one local step reads two minibatches
+    assert len(used) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(used, batches, strict=True))
+    personal, upload = hand_mh_code(trainer, w, theta0, memory, batches)
+    assert_close(update.upload, upload, **TOL)
+    assert_close(method.store.get(4, PERSONAL_KEY), personal, **TOL)
+    assert_close(method.store.get(4, MEMORY_KEY), upload, **TOL)
+    # Not Eq. (14)'s mh on either minibatch.
+    names = names_of(trainer)
+    for batch in batches:
+        _, eq14 = hand_pfedbred(trainer, "mh", w, theta0, memory, [batch])
+        assert differs(update.upload, eq14, names)
+
+
+def test_mh_code_pairs_consecutive_minibatches_over_two_passes_per_local_epoch():
+    """E = 1 pass of 2 minibatches gives R = 2 local steps, so mh-code reads 4 minibatches (2 passes)."""
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=4)
+    w = perturbed(trainer.model, seed=2)
+    method = make(PFedBreD, trainer, prior="mh-code")
+    drawn = counting(trainer)
+
+    update = method.client_update(client(3, data), w, seed=1)
+
+    used = len(drawn)
+    batches = batches_of(trainer, data, seed=1, epochs=2)
+    assert used == len(batches) == 4
+    personal, upload = hand_mh_code(trainer, w, w, w, batches)  # first time trained: theta = memory = w
+    assert_close(update.upload, upload, **TOL)
+    assert_close(method.personalized(3, w), personal, **TOL)
+
+
+# ---------------------------------------------------------------- --local-steps: R outer local steps
+
+
+def test_local_steps_runs_exactly_that_many_local_steps():
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=4)  # 2 minibatches per pass: 3 steps run into a second pass
+    w = perturbed(trainer.model, seed=2)
+    for cls, prior, per_step in ((PFedMe, "mh", 1), (PFedBreD, "mh", 1), (PFedBreD, "mh-code", 2)):
+        trainer = tiny_trainer()
+        method = make(cls, trainer, prior=prior, local_steps=3, local_epochs=5)
+        drawn = counting(trainer)
+
+        update = method.client_update(client(1, data), w, seed=5)
+
+        assert len(drawn) == 3 * per_step, (cls.name, prior)
+        assert len(update.metrics) == 1 and update.metrics["local_loss"] > 0
+    # the pFedMe upload is exactly 3 local steps' worth (hand computation on the same 3 minibatches)
+    trainer = tiny_trainer()
+    update = make(PFedMe, trainer, local_steps=3).client_update(client(1, data), w, seed=5)
+    _, upload = hand_pfedme(trainer, w, batches_of(trainer, data, seed=5, steps=3))
+    assert_close(update.upload, upload, **TOL)
+    _, four = hand_pfedme(trainer, w, batches_of(trainer, data, seed=5, steps=4))
+    assert differs(update.upload, four, names_of(trainer))
+
+
+# ---------------------------------------------------------------- who trains (Algorithm 1, line 4: all N clients)
+
+
+def test_every_federated_client_trains_unless_train_clients_sampled():
+    trainer = tiny_trainer()
+    sampled, federated = [3, 1], [0, 1, 2, 3]
+    for cls in (PFedMe, PFedBreD):
+        assert make(cls, trainer).clients_to_train(sampled, federated) == federated
+        assert make(cls, trainer, train_clients="all").clients_to_train(sampled, federated) == federated
+        assert make(cls, trainer, train_clients="sampled").clients_to_train(sampled, federated) == sampled
+
+
+def test_other_methods_train_the_sample_and_refuse_train_clients_all():
+    trainer = tiny_trainer()
+
+    def context(**settings):
+        return MethodContext(MethodConfig(**settings), trainer, ClientStore(), trainer.model.state(), None)
+
+    assert build_method("fedavg", context()).clients_to_train([2], [0, 1, 2]) == [2]
+    assert build_method("fedavg", context(train_clients="sampled")).clients_to_train([2], [0, 1, 2]) == [2]
+    with pytest.raises(ConfigError, match="--train-clients all: --method fedavg"):
+        build_method("fedavg", context(train_clients="all"))
+    assert build_method("pfedme", context(train_clients="all")).clients_to_train([2], [0, 1, 2]) == [0, 1, 2]
+
+
 # ---------------------------------------------------------------- server step (pFedMe Alg. 1; pFedBreD line 12)
 
 
@@ -313,6 +451,25 @@ def test_server_step_is_a_beta_step_towards_the_uniform_mean(cls, beta, am, effe
         assert new_state[key].item() == 20
 
 
+@pytest.mark.parametrize("cls", [PFedMe, PFedBreD])
+def test_aggregation_samples_weighs_the_mean_by_training_set_size(cls):
+    """The authors' codes' server mean: sum_i n_i w_i / sum_i n_i over the sampled clients, then the beta-step."""
+    trainer = tiny_trainer()
+    global_state, uploads, updates, floats, _ = server_problem(trainer)
+    method = make(cls, trainer, beta=0.7, aggregation="samples")
+
+    new_state, _ = method.server_update(global_state, updates, seed=0, round_index=0)
+
+    counts = [1, 50, 7]
+    for name in names_of(trainer):
+        mean = sum(n * upload[name] for n, upload in zip(counts, uploads, strict=True)) / sum(counts)
+        assert_close(new_state[name], 0.3 * global_state[name] + 0.7 * mean, **TOL)
+    for key in floats:
+        assert_close(new_state[key], sum(n * u[key] for n, u in zip(counts, uploads, strict=True)) / 58, **TOL)
+    uniform, _ = make(cls, trainer, beta=0.7).server_update(global_state, updates, seed=0, round_index=0)
+    assert differs(new_state, uniform, names_of(trainer))
+
+
 def test_am_overrides_beta():
     trainer = tiny_trainer()
     global_state, _, updates, _, _ = server_problem(trainer)
@@ -334,28 +491,87 @@ def test_parameter_counts_are_two_models_trained_one_sent():
 # ---------------------------------------------------------------- the command line
 
 
-@pytest.mark.parametrize(
-    "extra", [("--method", "pfedme"), ("--method", "pfedbred"), ("--method", "pfedbred", "--prior", "lg", "--am")]
-)
-def test_one_round_cli_run(extra, fmnist_dir, tmp_path, capsys, monkeypatch, home):
-    run = tmp_path / "run"
-    small = ("--rounds", "1", "--limit-samples", "400", "--eval-every", "0")
-    code, _, err = run_cli(tiny_args(fmnist_dir, run, *extra, *small), capsys, monkeypatch)
+SMALL = ("--rounds", "1", "--limit-samples", "400", "--eval-every", "0")
+
+
+def cli_run(fmnist_dir, run, capsys, monkeypatch, *extra):
+    """A 1-round run of 4 clients, 2 sampled: its metrics and its round checkpoint's tensors."""
+    code, _, err = run_cli(tiny_args(fmnist_dir, run, *extra, *SMALL), capsys, monkeypatch)
     assert code == 0, err
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    tensors, _ = load_latest_checkpoint(run / "checkpoints")
+    return metrics, tensors
+
+
+def stored(tensors, prefix):
+    return {name[len(prefix) :]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+
+
+def exports(run):
+    """The run's exported full models: each client's personalized model and the global one."""
+    models = {c: load_file(str(run / "clients" / str(c) / "model.safetensors")) for c in range(4)}
+    return {**models, "global": load_file(str(run / "global" / "model.safetensors"))}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--method", "pfedme"), ("--method", "pfedbred", "--prior", "mh-code", "--am", "--local-steps", "2")],
+)
+def test_one_round_cli_run_exports_every_clients_model(extra, fmnist_dir, tmp_path, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    metrics, _ = cli_run(fmnist_dir, run, capsys, monkeypatch, *extra)
     for client_id in range(4):
-        assert any((run / "clients" / str(client_id)).iterdir())
+        assert (run / "clients" / str(client_id) / "model.safetensors").is_file()  # full scope: the whole model
     report = json.loads((run / "report.json").read_text())
     assert report["method"] == extra[1] and len(report["personalized"]["local_test"]["per_client"]) == 4
     saved = json.loads((run / "config.json").read_text())["config"]["method"]
-    assert saved["scope"] is None and saved["prior"] == ("lg" if "lg" in extra else "mh")
-    assert saved["am"] == ("--am" in extra)
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert saved["scope"] is None and saved["prior"] == ("mh-code" if "mh-code" in extra else "mh")
+    assert saved["am"] == ("--am" in extra) and saved["train_clients"] is None
     assert len(metrics) == 1 and metrics[0]["local_loss"] > 0
+    assert len(metrics[0]["clients"]) == 2 and metrics[0]["trained_clients"] == 4  # all trained, 2 aggregated
 
 
-def test_cli_rejects_an_unknown_prior(fmnist_dir, tmp_path, capsys, monkeypatch, home):
-    args = tiny_args(fmnist_dir, tmp_path / "run", "--method", "pfedbred", "--prior", "median", "--rounds", "1")
-    code, _, err = run_cli(args, capsys, monkeypatch)
-    assert code == 2
-    assert "unknown --prior 'median'" in err
-    assert not (tmp_path / "run" / "config.json").exists()
+def test_every_client_trains_and_the_server_averages_only_the_sample(fmnist_dir, tmp_path, capsys, monkeypatch, home):
+    """pFedBreD (beta = 1): w^1 is the uniform mean of the sampled clients' uploads (each client's memorized
+    w_{i,R}); with --train-clients sampled the others keep no state and are exported with the global model."""
+    metrics, tensors = cli_run(fmnist_dir, tmp_path / "all", capsys, monkeypatch, "--method", "pfedbred")
+    sampled = metrics[0]["clients"]
+    unsampled = sorted(set(range(4)) - set(sampled))
+    uploads = {c: stored(tensors, f"clients/{c}/{MEMORY_KEY}/") for c in range(4)}
+    global_state = stored(tensors, "global/")
+    assert all(uploads.values()) and all(stored(tensors, f"clients/{c}/{PERSONAL_KEY}/") for c in unsampled)
+    floats = [key for key, value in global_state.items() if value.is_floating_point()]
+    for key in floats:
+        assert_close(global_state[key], sum(uploads[c][key] for c in sampled) / len(sampled), **TOL)
+    assert any(not torch.allclose(global_state[k], sum(u[k] for u in uploads.values()) / 4) for k in floats)
+    exported = exports(tmp_path / "all")
+    for c in unsampled:  # trained though not aggregated: its theta moved away from the global model
+        assert differs(exported[c], exported["global"], floats)
+
+    run = tmp_path / "sampled"
+    metrics, tensors = cli_run(
+        fmnist_dir, run, capsys, monkeypatch, "--method", "pfedbred", "--train-clients", "sampled"
+    )
+    assert metrics[0]["clients"] == sampled and "trained_clients" not in metrics[0]  # same seed, same sample
+    assert all(stored(tensors, f"clients/{c}/{MEMORY_KEY}/") for c in sampled)
+    assert not any(stored(tensors, f"clients/{c}/") for c in unsampled)
+    exported = exports(run)
+    for c in unsampled:  # never trained: evaluated and exported with the global model
+        assert_close(exported[c], exported["global"])
+    assert differs(exported[sampled[0]], exported["global"], floats)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--method", "pfedbred", "--prior", "median"], ["unknown --prior 'median'", "mh-code"]),
+        (["--method", "pfedme", "--train-clients", "everyone"], ["unknown --train-clients 'everyone'", "sampled"]),
+        (["--method", "fedavg", "--train-clients", "all"], ["--train-clients all", "fedavg"]),
+    ],
+)
+def test_bad_settings_exit_2_in_one_line_and_write_nothing(
+    extra, needles, fmnist_dir, tmp_path, capsys, monkeypatch, home
+):
+    run = tmp_path / "run"
+    expect_user_error(tiny_args(fmnist_dir, run, *extra, "--rounds", "1"), capsys, monkeypatch, *needles)
+    assert not run.exists()

@@ -12,6 +12,7 @@ import json
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -34,6 +35,8 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # `--frozen-bn train`: the frozen BatchNorms' running statistics, which PEFT does not save, beside the adapter.
 FROZEN_NORMS_FILE = "frozen_bn_statistics.safetensors"
+# The second, personal classifier a method may ask for (`Method.second_head`), a module of the base network.
+PERSONAL_HEAD = "personal_head"
 
 
 class AdaptedModel:
@@ -66,6 +69,10 @@ class AdaptedModel:
                     self._buffers[f"{module_name}.{buffer_name}"] = buffer
                     if frozen_norm:
                         self._frozen_norm_buffers.add(f"{module_name}.{buffer_name}")
+        self.personal_head: nn.Linear | None = None  # see `add_personal_head`
+        self._personal_head_keys: dict[str, str] = {}  # its state keys -> the classifier's (same parameter)
+        self._split: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # collects (generic, personal) logits
+        self._detach_features = False
 
     @property
     def device(self) -> torch.device:
@@ -84,16 +91,75 @@ class AdaptedModel:
 
     def backbone_state(self) -> dict[str, torch.Tensor]:
         """The base network's own tensors under its own names (PEFT keeps them as `base_layer` / `original_module`
-        beside its LoRA factors and trainable copies, which are left out)."""
+        beside its LoRA factors and trainable copies, which are left out, as is a personal head)."""
         return {
             name.replace(".original_module", "").replace(".base_layer", ""): tensor
             for name, tensor in self.base_model.state_dict().items()
-            if not _is_peft_copy(name)
+            if not _is_added(name)
         }
 
     def num_backbone(self) -> int:
         """Parameters of the model a user would run without adapters (PEFT's saved copies excluded)."""
-        return sum(p.numel() for n, p in self.base_model.named_parameters() if not _is_peft_copy(n))
+        return sum(p.numel() for n, p in self.base_model.named_parameters() if not _is_added(n))
+
+    def add_personal_head(self) -> None:
+        """A second linear head beside the classifier, of the same sizes, trainable and part of every state; the
+        model's logits become generic(h) + personal(h), h the classifier's input (FedRoD's personalized model).
+
+        It starts at zero, so the initial state (and any state whose personal head is zero, such as a global one
+        whose personal entries the server leaves as they are) predicts with the generic classifier alone. It is no
+        PEFT layer: its tensors are saved among the adapter's under their own names, which PEFT loads into a base
+        network that has a `personal_head` module and skips otherwise (the generic model).
+        """
+        if self.personal_head is not None:
+            raise ValueError("the model already has a personal head")
+        base, name = self.base_model, classifier_name(self.base_model)
+        classifier = base.get_submodule(name)
+        linear = _active_linear(classifier)
+        if not isinstance(linear, nn.Linear):
+            raise ConfigError(f"a personal head needs a linear classifier, and {name} of this backbone is none")
+        # skip_init: zeros, drawing nothing from the global generator (the run's seeds stay where they were).
+        head = torch.nn.utils.skip_init(
+            nn.Linear, linear.in_features, linear.out_features, device=linear.weight.device, dtype=linear.weight.dtype
+        )
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        base.add_module(PERSONAL_HEAD, head)
+        self.personal_head = head
+        classifier.register_forward_hook(self._add_personal_logits)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        generic = {suffix: names[id(p)] for suffix, p in linear.named_parameters()}
+        for suffix, parameter in head.named_parameters():
+            key = names[id(parameter)]
+            self._parameters[key] = parameter
+            self._personal_head_keys[key] = generic[suffix]
+        self.__dict__.pop("_saved_names", None)  # computed without the head
+
+    @property
+    def personal_head_keys(self) -> dict[str, str]:
+        """The personal head's state keys, each mapped to the key of the classifier's parameter of the same role."""
+        return self._personal_head_keys
+
+    def split_logits(self, inputs: torch.Tensor, *, detach_features: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(generic, personal) logits of a batch, the classifier's and the personal head's, whose sum the model
+        returns. With `detach_features`, the personal logits send no gradient back into the features."""
+        assert self.personal_head is not None, "the model has no personal head"
+        self._split, self._detach_features = [], detach_features
+        try:
+            self(inputs)
+            ((generic, personal),) = self._split
+        finally:
+            self._split, self._detach_features = None, False
+        return generic, personal
+
+    def _add_personal_logits(self, module: nn.Module, args: tuple[Any, ...], generic: torch.Tensor) -> torch.Tensor:
+        """Forward hook of the classifier: its logits plus the personal head's on the same input."""
+        assert self.personal_head is not None
+        features = args[0].detach() if self._detach_features else args[0]
+        personal = self.personal_head(features)
+        if self._split is not None:
+            self._split.append((generic, personal))
+        return generic + personal
 
     def state(self) -> AdapterState:
         tensors = {**self._parameters, **self._buffers}
@@ -165,7 +231,9 @@ class AdaptedModel:
         picks and renames them, e.g. without the adapter name; asked once, it walks every module)."""
         state = self.state()
         names = {id(tensor): name for name, tensor in state.items()}
-        return {names[id(tensor)]: saved for saved, tensor in get_peft_model_state_dict(self.module, state).items()}
+        saved = {names[id(tensor)]: saved for saved, tensor in get_peft_model_state_dict(self.module, state).items()}
+        # A personal head, no PEFT layer, keeps its own name, which `set_peft_model_state_dict` loads as it is.
+        return {**saved, **{key: key for key in self._personal_head_keys}}
 
     @functools.cached_property
     def _layout_files(self) -> dict[str, bytes]:
@@ -224,9 +292,16 @@ def _read_tensors(path: Path, missing: str, device: str = "cpu") -> dict[str, to
         raise WeightsError(f"cannot read {path} ({exc})") from None
 
 
-def _is_peft_copy(name: str) -> bool:
-    """Whether a base-model tensor is PEFT's (a LoRA factor or a head's trainable copy), not the backbone's own."""
-    return "lora_" in name or "modules_to_save" in name
+def _is_added(name: str) -> bool:
+    """Whether a base-model tensor was added to the backbone (PEFT's LoRA factor or a head's trainable copy, or a
+    personal head), not the backbone's own."""
+    return "lora_" in name or "modules_to_save" in name or name.split(".", 1)[0] == PERSONAL_HEAD
+
+
+def _active_linear(classifier: nn.Module) -> nn.Module:
+    """The classifier module that computes the logits: PEFT's trainable copy where PEFT wraps the head."""
+    copies = getattr(classifier, "modules_to_save", None)
+    return next(iter(copies.values())) if isinstance(copies, nn.ModuleDict) and len(copies) else classifier
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
 from rich.console import Console
 
 from peradapt.adapters import AdaptedModel, AdapterState
@@ -204,7 +203,8 @@ def _store_directory(kind: str, paths: RunPaths) -> Path | None:
 
 
 def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> dict | None:
-    """`--lam auto`: λ from a warm-up estimate of heterogeneity, once, before round 1 (a resumed run keeps it)."""
+    """`--lam auto`: λ from the fitted clients' optima (R² of Theorem 1), once, before round 1 (a resumed run keeps
+    it). The fits are deterministic and draw no random numbers, so the rounds see the RNG they would see without."""
     config, method = session.config.method, session.method
     if not config.lam_auto:
         return None
@@ -217,21 +217,17 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
     if resume:  # config.lam already holds the saved choice
         return read_run_config(run_dir)[1].get("lam_auto")
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
-    seed, trainer = session.config.seed, session.trainer
-    with torch.random.fork_rng():  # the rounds see the global RNG they would see without the warm-up
-        record = estimate_lam(
-            trainer,
-            session.initial,
-            session.client_sample,  # a warm-up state per client, held together: a sample in large federations
-            lr=config.lr,
-            seed=seed,
-            lam_max=lam_max,
-            num_clients=len(session.federated_clients),
-        )
+    record = estimate_lam(
+        session.trainer,
+        session.initial,
+        session.client_sample,  # an optimum per client, held together: a sample in large federations
+        lam_max=lam_max,
+        num_clients=len(session.federated_clients),
+    )
     config.lam = record["lam"]  # the method's config is this same object
     console.print(
-        f"--lam auto: H_hat={record['h_hat']:.4g} (n={record['n']:.4g}), regime {record['regime']}, "
-        f"lam={record['lam']:.4g} ({record['explanation']})"
+        f"--lam auto: R²={record['r2']:.4g} (max over {record['clients']} clients, median {record['r2_median']:.4g}; "
+        f"n={record['n']:.4g}), regime {record['regime']}, lam={record['lam']:.4g} ({record['explanation']})"
     )
     return record
 

@@ -189,6 +189,8 @@ def build_session(
         scope=scope,
         frozen_bn=config.method.frozen_bn,
     )
+    if method_cls.second_head:  # before anything reads the model's parameters: trainer, DP checks, initial state
+        model.add_personal_head()
     inputs = InputPipeline(
         *channel_statistics(info.mean, info.std, data.channels),
         device,
@@ -201,7 +203,8 @@ def build_session(
         distiller = Distiller(trainer, data.kd, data.val, config.distill, _distillation_inputs(config, data, inputs))
     store = ClientStore(device) if client_store is None else DiskClientStore(client_store, device)
     initial = model.state()
-    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed)
+    federated = config.federation.clients - config.federation.holdout_clients
+    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed, federated)
     method = build_method(config.method.method, context)
     return Session(config, data, model, trainer, method, store, initial, info, kind, device)
 

@@ -54,6 +54,12 @@ class Method(ABC):
     default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
     # All its training on client data goes through `LocalTrainer.sgd`, which --dp-noise makes DP-SGD.
     supports_dp: ClassVar[bool] = False
+    # The model carries a second, personal linear head beside the classifier, zero at start: logits are
+    # generic(h) + personal(h) (`AdaptedModel.add_personal_head`; FedRoD).
+    second_head: ClassVar[bool] = False
+    # Its paper trains every federated client each round and aggregates only the sample (pFedMe, pFedBreD
+    # Algorithm 1): `clients_to_train` returns them all unless --train-clients sampled; the others refuse "all".
+    trains_all_clients: ClassVar[bool] = False
 
     def __init__(self, context: MethodContext) -> None:
         self.context = context
@@ -82,9 +88,11 @@ class Method(ABC):
         """The adapter client `client_id` is evaluated and exported with."""
 
     def clients_to_train(self, sampled: list[int], federated: list[int]) -> list[int]:
-        """The clients that run `client_update` this round: the sampled ones. Methods whose papers train every
-        client each round and aggregate a sample (pFedMe, pFedBreD) return `federated`; `server_update` always gets
-        the sampled clients' updates only."""
+        """The clients that run `client_update` this round: the sampled ones, or every federated client for methods
+        whose papers train them all (`trains_all_clients`) unless --train-clients sampled; `server_update` always
+        gets the sampled clients' updates only."""
+        if self.trains_all_clients and self.config.train_clients != "sampled":
+            return federated
         return sampled
 
     def payload(self, client_id: int, global_state: AdapterState) -> AdapterState:
@@ -183,4 +191,9 @@ def build_method(name: str, context: MethodContext) -> Method:
     cls = method_class(name)
     if cls.uses_distillation and context.distiller is None:
         raise ConfigError(f"--method {name} distills on unlabeled data: it needs --kd-data")
+    if context.config.train_clients == "all" and not cls.trains_all_clients:
+        raise ConfigError(
+            f"--train-clients all: --method {name} trains only the sampled clients, as its paper does; "
+            "drop --train-clients"
+        )
     return cls(context)

@@ -22,13 +22,14 @@ or exported (learning rate --personal-lr, default --lr). The fine-tuning is loca
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
 from peradapt.federation.seeds import derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
 
-FINETUNE = 11  # seed phase of FedAvg+FT's local fine-tuning
+FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
 
 
 @register
@@ -68,11 +69,26 @@ class FedAvg(Method):
         return {"personalized": 0, "trained": trainable, "communicated": trainable}
 
 
-@register
-class FedAvgFT(FedAvg):
-    name = "fedavg-ft"
-    summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
+class FineTuning(Method):
+    """Personalization by local fine-tuning at evaluation time (FedAvg+FT, FedBABU): client m is evaluated and
+    exported with the global model after --ft-epochs (default: the method's `default_ft_epochs`) of SGD on all its
+    trainable parameters, on its own training data (or --ft-steps minibatch steps: `ft_steps`). It communicates
+    nothing."""
+
+    default_ft_epochs: ClassVar[int]
+    default_ft_steps: ClassVar[int | None] = None  # fine-tuning counted in steps unless --ft-epochs is given
     supports_dp = False  # it fine-tunes on client data at every evaluation, outside the rounds' accounting
+
+    @property
+    def ft_epochs(self) -> int:
+        return self.default_ft_epochs if self.config.ft_epochs is None else self.config.ft_epochs
+
+    @property
+    def ft_steps(self) -> int | None:
+        """--ft-steps; else, unless --ft-epochs is given, the method's `default_ft_steps`. None: count epochs."""
+        if self.config.ft_steps is not None or self.config.ft_epochs is not None:
+            return self.config.ft_steps
+        return self.default_ft_steps
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         seed = derive_seed(self.context.run_seed, client_id, FINETUNE)
@@ -82,14 +98,27 @@ class FedAvgFT(FedAvg):
         return self.finetune(global_state, client, derive_seed(seed, FINETUNE))
 
     def finetune(self, global_state: AdapterState, client: ClientData, seed: int) -> AdapterState:
-        """--ft-epochs of SGD on the client's training data from the global model (at --personal-lr)."""
-        config = self.config
-        if config.ft_epochs == 0:
+        """--ft-epochs (or `ft_steps` steps) of SGD on the client's training data from the global model (at
+        --personal-lr)."""
+        config, steps = self.config, self.ft_steps
+        if (self.ft_epochs if steps is None else steps) == 0:
             return global_state
         finetuned, _ = self.trainer.sgd(
-            global_state, client.train, epochs=config.ft_epochs, lr=config.personal_lr or config.lr, seed=seed
+            global_state,
+            client.train,
+            epochs=self.ft_epochs,
+            steps=steps,
+            lr=config.personal_lr or config.lr,
+            seed=seed,
         )
         return finetuned
+
+
+@register
+class FedAvgFT(FineTuning, FedAvg):
+    name = "fedavg-ft"
+    summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
+    default_ft_epochs = 1
 
     def parameter_counts(self) -> dict[str, int]:
         trainable = self.trainer.model.num_trainable()

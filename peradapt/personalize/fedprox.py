@@ -17,8 +17,10 @@ eq. (10) / line 7, averaging over the sampled clients as Algorithm 1 averages wi
     w_g <- w_g - gamma * mean_i lam (w_g - w_i) = w_g - beta * (w_g - mean_i w_i),   beta = gamma * lam.
 
 `--beta` is that product (default 1: gamma = 1/lam, the global step of the paper's MNIST experiments,
-Section 6.1, so the global model becomes the mean personalized model). BatchNorm running statistics follow the
-same step; integer step counters come from the first upload. Clients are evaluated with their own w_i.
+Section 6.1, so the global model becomes the mean personalized model). The step applies to the trainable
+parameters, the optimization variables of eq. (10). BatchNorm running statistics are not optimization variables:
+the server takes their plain mean (1/m) sum_i, as pFedMe does, so that beta > 1 cannot push a running variance
+below zero; integer step counters come from the first upload. Clients are evaluated with their own w_i.
 
 Defaults: FedProx is not a personalized baseline of PerAda's Table 1, so it trains adapters
 (`default_scope = "adapter"`, backbone frozen); `--scope full` trains the whole network. `--lam auto` picks lam
@@ -57,10 +59,9 @@ class FedProx(ProximalPersonalization):
     ) -> tuple[AdapterState, dict[str, float]]:
         mean = average_states([update.upload for update in updates])  # (1/m) Σ_i w_{t,K}^(i)
         beta = self.config.beta  # gamma * lam
-        stepped = {
-            name: w + beta * (mean[name] - w) if w.is_floating_point() else mean[name]
-            for name, w in global_state.items()
-        }
+        stepped = dict(mean)  # running statistics: the plain mean
+        for name in self.trainer.model.trainable_parameters():
+            stepped[name] = global_state[name] + beta * (mean[name] - global_state[name])
         return stepped, {}
 
     def parameter_counts(self) -> dict[str, int]:

@@ -13,13 +13,13 @@ FedAlt (Pillutla et al., "Federated Learning with Partial Model Personalization"
 FedSim (same paper), simultaneous: (u_m, v_m) <- (u_m, v_m) - (eta, eta_p) * grad L_m(u_m, v_m), E epochs.
 
 In both the client uploads u_m only and the server takes u <- sum_m n_m u_m / sum_m n_m over the sampled
-clients; the personal entries of the global state stay as they are. eta = --lr, eta_p = --personal-lr
-(default --lr). A frozen part is left exactly as it was, BatchNorm running statistics included.
+clients (`--aggregation samples`; `uniform`: their plain mean, the default of methods whose paper prints it);
+the personal entries of the global state stay as they are. eta = --lr, eta_p = --personal-lr (default --lr).
+A frozen part is left exactly as it was, BatchNorm running statistics included.
 
     fedalt, fedsim  personal part --personal-part (default `output`: of Table 1's FedAlt/FedSim rows the best
                     on CIFAR-10, and it needs no adapter); `adapter` makes the session inject residual adapters.
-    fedrep          FedAlt with the head personal (Collins et al., ICML 2021, Algorithm 1: head epochs, then
-                    body epochs; the body is averaged).
+    fedper, fedrep  the head personal, trained with the body (FedSim) or before it (FedAlt): `body_head`.
     fedbn           FedSim with every BatchNorm layer personal (Li et al., ICLR 2021, Algorithm 1).
     lg-fedavg       FedSim with the feature extractor personal and the head shared (Liang et al. 2020,
                     Algorithm 1: local representations, global head).
@@ -84,11 +84,12 @@ class PartialModel(Method):
 
     default_scope = "full"
     default_part: ClassVar[str]
+    default_aggregation: ClassVar[str] = "samples"  # the server's mean over the sampled clients (--aggregation)
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
         self.part = self.config.personal_part or self.default_part
-        personal = set(personal_keys(self.trainer.model, self.part))
+        personal = set(self.personal_part_keys())
         self.personal = [k for k in context.initial if k in personal]
         self.shared = [k for k in context.initial if k not in personal]
         if not self.personal:
@@ -101,6 +102,11 @@ class PartialModel(Method):
         if not any(k in self.trainer.model.trainable_parameters() for k in self.shared):
             raise ConfigError(f"--personal-part {self.part} leaves nothing to share: use --scope full")
         self.initial_personal = subset(context.initial, self.personal)
+        self.aggregation = self.config.aggregation or self.default_aggregation
+
+    def personal_part_keys(self) -> list[str]:
+        """The state keys of the personal part: --personal-part's (or the method's default part)."""
+        return personal_keys(self.trainer.model, self.part)
 
     @abstractmethod
     def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
@@ -119,8 +125,9 @@ class PartialModel(Method):
         round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        """u <- sum_m n_m u_m / sum_m n_m; the personal entries of the global state are kept."""
-        averaged = average_states([u.upload for u in updates], [u.num_samples for u in updates])
+        """u <- sum_m n_m u_m / sum_m n_m (or the plain mean); the personal entries of the global state are kept."""
+        weights = [u.num_samples for u in updates] if self.aggregation == "samples" else None
+        averaged = average_states([u.upload for u in updates], weights)
         return {**global_state, **averaged}, {}
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
@@ -142,7 +149,14 @@ class PartialModel(Method):
         return {"personalized": personal, "trained": personal + shared, "communicated": shared}
 
     def sgd_on(
-        self, start: AdapterState, data: ImageSet, train: Collection[str], *, epochs: int, seed: int
+        self,
+        start: AdapterState,
+        data: ImageSet,
+        train: Collection[str],
+        *,
+        epochs: int,
+        seed: int,
+        steps: int | None = None,
     ) -> tuple[AdapterState, float]:
         """Minibatch SGD on the parameters in `train` only (personal at eta_p, shared at eta); the rest is frozen."""
         model, config, trainer = self.trainer.model, self.config, self.trainer
@@ -161,7 +175,7 @@ class PartialModel(Method):
         try:
             for parameter in frozen:  # no gradient is computed for the frozen part at all
                 parameter.requires_grad_(False)
-            for images, labels in trainer.minibatches(data, epochs=epochs, seed=seed):
+            for images, labels in trainer.minibatches(data, epochs=epochs, seed=seed, steps=steps):
                 loss = trainer.loss(images, labels, config.lr)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -182,13 +196,23 @@ class FedAlt(PartialModel):
     summary = "partial personalization, alternating: personal part, then shared part (Pillutla et al. 2022)"
     default_part = "output"
 
+    @property
+    def shared_epochs(self) -> int:
+        """Epochs on the shared part, after the personal part's."""
+        return self.config.local_epochs
+
     def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
         config = self.config
         state, personal_loss = self.sgd_on(
             start, data, self.personal, epochs=config.personal_epochs, seed=derive_seed(seed, PERSONAL)
         )
         state, local_loss = self.sgd_on(
-            state, data, self.shared, epochs=config.local_epochs, seed=derive_seed(seed, LOCAL)
+            state,
+            data,
+            self.shared,
+            epochs=self.shared_epochs,
+            steps=config.local_steps,
+            seed=derive_seed(seed, LOCAL),
         )
         return state, {"personal_loss": personal_loss, "local_loss": local_loss}
 
@@ -202,16 +226,14 @@ class FedSim(PartialModel):
     def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
         everything = self.personal + self.shared
         state, loss = self.sgd_on(
-            start, data, everything, epochs=self.config.local_epochs, seed=derive_seed(seed, LOCAL)
+            start,
+            data,
+            everything,
+            epochs=self.config.local_epochs,
+            steps=self.config.local_steps,
+            seed=derive_seed(seed, LOCAL),
         )
         return state, {"local_loss": loss}
-
-
-@register
-class FedRep(FedAlt):
-    name = "fedrep"
-    summary = "FedRep: personal head trained first, then the shared body (Collins et al. 2021, Algorithm 1)"
-    default_part = "head"
 
 
 @register

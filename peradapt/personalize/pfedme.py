@@ -2,19 +2,25 @@
 
 T. Dinh, Tran and Nguyen, "Personalized Federated Learning with Moreau Envelopes" (NeurIPS 2020), Algorithm 1,
 as restated by pFedBreD (Shi et al., NeurIPS 2023, Eqs. (2), (8) and (13) with g = g* = ||.||^2 / 2 and
-mu_i(w) = w) and run as a full-model baseline in PerAda (Xie et al., CVPR 2024, Table 1). A sampled client i
-starts from w_i <- w^t and, for every minibatch D of `local_epochs` passes over its data (local step r):
+mu_i(w) = w) and run as a full-model baseline in PerAda (Xie et al., CVPR 2024, Table 1). Every round the server
+sends w^t to all N clients and every client i trains: from w_i <- w^t, for each of R local steps r, each on a fresh
+minibatch D,
 
     theta_i ~= argmin_theta f_i(theta; D) + lam/2 ||theta - w_i||^2        K = --inner-steps gradient steps:
         theta <- theta - eta_p * (grad f_i(theta; D) + lam * (theta - w_i))                (the inner problem)
     w_i <- w_i - eta * lam * (w_i - theta_i)                                 (the Moreau envelope gradient step)
 
-then uploads w_i. The server moves w^{t+1} = (1 - beta) w^t + beta * (1/S) sum_{i in S^t} w_i (Algorithm 1, the
-uniform mean over the S sampled clients). Client i is evaluated with its last theta_i (the global model until
-it is first sampled). As in pFedMe's reference code, theta starts at w^t each round and warm-starts every
-local step from the previous theta.
+Only then does the server draw a uniform sample S^t of S clients and move w^{t+1} = (1 - beta) w^t +
+beta * (1/S) sum_{i in S^t} w_{i,R}; the other clients' w_{i,R} are discarded (`trains_all_clients`: the engine
+runs every federated client and gives `server_update` the sampled ones). Client i is evaluated with its last
+theta_i (the global model until its first update). As in pFedMe's reference code, theta starts at w^t each round
+and warm-starts every local step from the previous theta.
 
 Conventions of this implementation:
+- R is `--local-steps` (the paper counts R = 20 local iterations) or, by default, one local step per minibatch
+  of `--local-epochs` passes over the client's data.
+- `--train-clients sampled` trains only the sampled clients (as PFLlib does); `--aggregation samples` weighs the
+  server mean by training-set size (as the authors' code does); see docs/METHODS.md for the other differences.
 - eta is `--lr`, eta_p `--personal-lr` (default `--lr`), lam `--lam` (or `--lam auto`: `uses_proximal`), K
   `--inner-steps` (3, as PerAda's appendix uses), beta `--beta`; `--am` is pFedBreD's "aggregate momentum"
   trick (Shi et al., Appendix C.4: beta = 2), which overrides `--beta`.
@@ -26,18 +32,20 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.data import ClientData
+from peradapt.federation.local import LocalTrainer
 from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import PERSONAL_KEY, ClientUpdate, Method, register
 
 AM_BETA = 2.0  # pFedBreD, Appendix C.4: "beta = 2 for methods ... employing AM"
 
 Tensors = dict[str, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @register
@@ -46,6 +54,7 @@ class PFedMe(Method):
     summary = "personalized models as Moreau-envelope proximal points of the local model (Dinh et al. 2020)"
     default_scope = "full"
     uses_proximal = True
+    trains_all_clients = True  # Algorithm 1: "for all i = 1..N"; the server samples S^t afterwards
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         lam, eta = self.config.lam, self.config.lr
@@ -55,14 +64,23 @@ class PFedMe(Method):
         theta = model.trainable_parameters()
         local = detached(theta)
         losses = []
-        for images, labels in self.trainer.minibatches(
-            client.train, epochs=self.config.local_epochs, seed=derive_seed(seed, LOCAL)
-        ):
+        for images, labels in self.minibatches(client, seed):  # local step r
             losses += self.inner_steps(images, labels, anchor=local)
             with torch.no_grad():
                 for name, parameter in theta.items():
                     local[name].sub_(eta * lam * (local[name] - parameter))
         return self._finish(client, local, losses)
+
+    def minibatches(self, client: ClientData, seed: int, per_step: int = 1) -> Iterator[Batch]:
+        """The minibatches of R local steps of `per_step` minibatches each: R = --local-steps, or by default as many
+        local steps as --local-epochs passes have minibatches."""
+        steps = self.config.local_steps
+        return self.trainer.minibatches(
+            client.train,
+            epochs=per_step * self.config.local_epochs,
+            steps=None if steps is None else per_step * steps,
+            seed=derive_seed(seed, LOCAL),
+        )
 
     def inner_steps(self, images: torch.Tensor, labels: torch.Tensor, anchor: Tensors) -> list[float]:
         """theta ~= argmin f(theta; batch) + lam/2 ||theta - anchor||^2: K gradient steps on the loaded model."""
@@ -79,10 +97,7 @@ class PFedMe(Method):
 
     def gradient(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, Tensors]:
         """Minibatch loss f(.; batch) of the loaded model and its gradient in the trainable parameters."""
-        parameters = self.trainer.model.trainable_parameters()
-        loss = self.trainer.loss(images, labels, self.config.lr)
-        grads = torch.autograd.grad(loss, list(parameters.values()))
-        return loss.item(), dict(zip(parameters, grads, strict=True))
+        return minibatch_gradient(self.trainer, images, labels, self.config.lr)
 
     def _finish(self, client: ClientData, local: Tensors, losses: list[float]) -> ClientUpdate:
         """Store theta_i (with the running statistics) and upload w_i with the same statistics."""
@@ -104,7 +119,9 @@ class PFedMe(Method):
         round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        mean = average_states([update.upload for update in updates])  # (1/S) sum_i w_i
+        # (1/S) sum_i w_i, the sampled clients' uploads only; --aggregation samples: weighted by n_i (authors' code)
+        weights = [update.num_samples for update in updates] if self.config.aggregation == "samples" else None
+        mean = average_states([update.upload for update in updates], weights)
         beta, parameters = self.beta, self.trainer.model.trainable_parameters()
         new_state = dict(mean)  # running statistics: the plain mean
         for name in parameters:
@@ -117,6 +134,17 @@ class PFedMe(Method):
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()
         return {"personalized": model, "trained": 2 * model, "communicated": model}  # theta_i and w_i
+
+
+def minibatch_gradient(
+    trainer: LocalTrainer, images: torch.Tensor, labels: torch.Tensor, lr: float
+) -> tuple[float, Tensors]:
+    """Minibatch loss f(.; batch) of the model as loaded and its gradient in the trainable parameters (`lr`: the
+    learning rate a diverging loss tells the user to lower)."""
+    parameters = trainer.model.trainable_parameters()
+    loss = trainer.loss(images, labels, lr)
+    grads = torch.autograd.grad(loss, list(parameters.values()))
+    return loss.item(), dict(zip(parameters, grads, strict=True))
 
 
 def detached(tensors: dict[str, torch.Tensor]) -> Tensors:

@@ -1,0 +1,406 @@
+"""FedDyn (Acar et al. 2021, Algorithm 1) and Per-FedAvg (Fallah et al. 2020, Algorithm 1) against hand computations.
+
+Every expected value is recomputed here with plain torch autograd on a copy of the tiny model, from the papers'
+objectives and update rules, never by calling the methods' code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from peradapt.config import MethodConfig
+from peradapt.data import ClientData
+from peradapt.errors import ConfigError
+from peradapt.federation.seeds import LOCAL, derive_seed
+from peradapt.federation.store import ClientStore
+from peradapt.personalize import ClientUpdate, MethodContext
+from peradapt.personalize.fedavg import FINETUNE
+from peradapt.personalize.feddyn import GRADIENT_KEY, FedDyn
+from peradapt.personalize.perfedavg import PerFedAvg
+
+from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
+from .test_perada import BATCH, TOL, assign, image_set, normalized, perturbed, tiny_trainer, train_mode
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LR, ALPHA, DYN_ALPHA, DELTA = 0.1, 0.05, 0.3, 1e-3
+
+
+def make(cls, trainer, clients=(), federated=None, **overrides):
+    settings = {
+        "local_epochs": 1,
+        "lr": LR,
+        "personal_lr": ALPHA,
+        "batch_size": BATCH,
+        "feddyn_alpha": DYN_ALPHA,
+        "perfedavg_delta": DELTA,
+        **overrides,
+    }
+    context = MethodContext(
+        MethodConfig(**settings), trainer, ClientStore(), trainer.model.state(), None, clients, 0, federated
+    )
+    return cls(context)
+
+
+def client_of(client_id, data):
+    indices = np.arange(len(data))
+    return ClientData(client_id, data, data, indices, indices)
+
+
+def names_of(trainer):
+    return list(trainer.model.trainable_parameters())
+
+
+# ---------------------------------------------------------------- the hand computations
+
+
+def module_at(trainer, state):
+    module = copy.deepcopy(trainer.model.module)
+    assign(module, state)
+    train_mode(module)
+    return module
+
+
+def params(module):
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def values(module, keys):
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if k in keys}
+
+
+def set_params(module, new):
+    with torch.no_grad():
+        for name, parameter in params(module).items():
+            parameter.copy_(new[name])
+
+
+def grad_of(module, loss):
+    named = params(module)
+    return dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
+
+
+def grad_f(module, images, labels):
+    """grad of the minibatch cross-entropy at the module's current parameters."""
+    return grad_of(module, F.cross_entropy(module(images), labels))
+
+
+def batches_of(trainer, data, seed, epochs=1, steps=None):
+    """The minibatches (order and all) that the client sees with this round seed."""
+    return list(trainer.minibatches(data, epochs=epochs, steps=steps, seed=derive_seed(seed, LOCAL)))
+
+
+def differs(a, b, names):
+    return any(not torch.allclose(a[n], b[n], atol=1e-5) for n in names)
+
+
+def hand_feddyn_client(trainer, theta_prev, gradient, batches, alpha):
+    """SGD on L_k(theta) - <grad L_k(theta_k^{t-1}), theta> + alpha/2 ||theta - theta^{t-1}||^2 (Algorithm 1),
+    then grad L_k(theta_k^t) = grad L_k(theta_k^{t-1}) - alpha (theta_k^t - theta^{t-1})."""
+    module = module_at(trainer, theta_prev)
+    for images, labels in batches:
+        named = params(module)
+        linear = sum((gradient[n] * p).sum() for n, p in named.items())
+        quadratic = sum(((p - theta_prev[n]) ** 2).sum() for n, p in named.items())
+        objective = F.cross_entropy(module(images), labels) - linear + alpha / 2 * quadratic
+        grads = grad_of(module, objective)
+        with torch.no_grad():
+            for name, parameter in named.items():
+                parameter.sub_(LR * grads[name])
+    local = values(module, theta_prev)
+    return local, {n: gradient[n] - alpha * (local[n] - theta_prev[n]) for n in gradient}
+
+
+def hand_perfedavg(trainer, w_state, groups, variant):
+    """Algorithm 1, lines 8-10: w~ = w - alpha grad f(w; D), then w - beta g (fo) or w - beta (g - alpha d) (hf)."""
+    names = names_of(trainer)
+    module = module_at(trainer, w_state)
+    for group in groups:
+        w = values(module, names)
+        grads = grad_f(module, *group[0])
+        set_params(module, {n: w[n] - ALPHA * grads[n] for n in names})
+        g = grad_f(module, *group[1])
+        if variant == "hf":
+            set_params(module, {n: w[n] + DELTA * g[n] for n in names})
+            plus = grad_f(module, *group[2])
+            set_params(module, {n: w[n] - DELTA * g[n] for n in names})
+            minus = grad_f(module, *group[2])
+            g = {n: g[n] - ALPHA * (plus[n] - minus[n]) / (2 * DELTA) for n in names}
+        set_params(module, {n: w[n] - LR * g[n] for n in names})
+    return values(module, w_state)
+
+
+def server_problem(trainer, seeds=(1, 2, 3)):
+    """A global state and uploads whose parameters and running statistics all differ."""
+    names = set(names_of(trainer))
+    states = [perturbed(trainer.model, seed=s) for s in seeds]
+    floats = [k for k, v in states[0].items() if k not in names and v.is_floating_point()]
+    integers = [k for k, v in states[0].items() if not v.is_floating_point()]
+    assert floats and integers
+    for index, state in enumerate(states):
+        for key in floats:
+            state[key] = state[key] + 0.1 * (index + 1)
+        for key in integers:
+            state[key] = torch.tensor(10 * (index + 1))
+    updates = [ClientUpdate(i, upload, n) for i, (upload, n) in enumerate(zip(states[1:], [1, 50], strict=True))]
+    return states[0], states[1:], updates, floats, integers
+
+
+# ---------------------------------------------------------------- FedDyn client step (Algorithm 1, lines 5-6)
+
+
+def test_feddyn_client_step_solves_the_dynamically_regularized_problem_and_updates_its_gradient():
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=3)
+    theta_prev = perturbed(trainer.model, seed=2)
+    names = names_of(trainer)
+    batches = batches_of(trainer, data, seed=4)
+    assert len(batches) == 2
+
+    first = make(FedDyn, trainer, federated=4)
+    update = first.client_update(client_of(1, data), theta_prev, seed=4)
+    zero = {n: torch.zeros_like(theta_prev[n]) for n in names}
+    local, gradient = hand_feddyn_client(trainer, theta_prev, zero, batches, DYN_ALPHA)  # grad L_k(theta_k^0) = 0
+    assert (update.client_id, update.num_samples) == (1, 2 * BATCH)
+    assert_close(update.upload, local, **TOL)
+    assert_close(first.store.get(1, GRADIENT_KEY), gradient, **TOL)
+    assert first.personalized(1, theta_prev) is theta_prev  # evaluated with the global model
+
+    # A client that took part before: its stored gradient enters as the linear term.
+    stored = {n: 0.5 * torch.randn(theta_prev[n].shape, generator=torch.Generator().manual_seed(7)) for n in names}
+    later = make(FedDyn, trainer, federated=4)
+    later.store.put(1, GRADIENT_KEY, stored)
+    update_later = later.client_update(client_of(1, data), theta_prev, seed=4)
+    local_later, gradient_later = hand_feddyn_client(trainer, theta_prev, stored, batches, DYN_ALPHA)
+    assert_close(update_later.upload, local_later, **TOL)
+    assert_close(later.store.get(1, GRADIENT_KEY), gradient_later, **TOL)
+    assert differs(update_later.upload, update.upload, names)
+
+
+def test_feddyn_by_size_scales_alpha_by_the_mean_sample_count_over_the_clients_own():
+    trainer = tiny_trainer()
+    sets = [image_set(n, seed=3 + i) for i, n in enumerate((BATCH, 2 * BATCH, 3 * BATCH))]
+    clients = [client_of(i, s) for i, s in enumerate(sets)]
+    theta_prev = perturbed(trainer.model, seed=2)
+    zero = {n: torch.zeros_like(theta_prev[n]) for n in names_of(trainer)}
+    method = make(FedDyn, trainer, clients=clients, federated=3, feddyn_client_alpha="by-size")
+
+    update = method.client_update(clients[2], theta_prev, seed=1)
+
+    alpha_2 = DYN_ALPHA * (2 * BATCH) / (3 * BATCH)  # the authors' alpha / (n_k / mean n)
+    batches = batches_of(trainer, sets[2], seed=1)
+    local, gradient = hand_feddyn_client(trainer, theta_prev, zero, batches, alpha_2)
+    assert_close(update.upload, local, **TOL)
+    assert_close(method.store.get(2, GRADIENT_KEY), gradient, **TOL)
+    uniform = make(FedDyn, trainer, clients=clients, federated=3)
+    assert differs(uniform.client_update(clients[2], theta_prev, seed=1).upload, update.upload, names_of(trainer))
+    assert differs(uniform.store.get(2, GRADIENT_KEY), gradient, names_of(trainer))
+
+
+def test_feddyn_rejects_bad_settings():
+    trainer = tiny_trainer()
+    with pytest.raises(ConfigError, match="--feddyn-alpha"):
+        make(FedDyn, trainer, feddyn_alpha=0.0)
+    with pytest.raises(ConfigError, match="uniform, by-size"):
+        make(FedDyn, trainer, feddyn_client_alpha="weighted")
+
+
+# ---------------------------------------------------------------- FedDyn server step (Algorithm 1, lines 9-10)
+
+
+def test_feddyn_server_keeps_h_over_all_m_clients_and_corrects_the_mean():
+    trainer = tiny_trainer()
+    names = names_of(trainer)
+    m = 5  # clients in the federation; 2 are sampled
+    theta_0, uploads, updates, floats, integers = server_problem(trainer)
+    method = make(FedDyn, trainer, federated=m)
+    assert method.server_state() == {}
+
+    theta_1, info = method.server_update(theta_0, updates, seed=0, round_index=0)
+
+    h_1 = {n: -DYN_ALPHA / m * ((uploads[0][n] - theta_0[n]) + (uploads[1][n] - theta_0[n])) for n in names}
+    assert info == {} and theta_1.keys() == theta_0.keys()
+    for n in names:  # uniform mean of the sampled models, whatever their sample counts, minus h / alpha
+        assert_close(theta_1[n], (uploads[0][n] + uploads[1][n]) / 2 - h_1[n] / DYN_ALPHA, **TOL)
+    for key in floats:  # running statistics: the plain mean, no h
+        assert_close(theta_1[key], (uploads[0][key] + uploads[1][key]) / 2, **TOL)
+    for key in integers:
+        assert theta_1[key].item() == 20  # the first upload's
+    assert_close(method.server_state(), h_1, **TOL)
+
+    # Round 2: h accumulates; a server restored from the saved state continues exactly, a fresh one does not.
+    _, uploads_2, updates_2, _, _ = server_problem(trainer, seeds=(1, 8, 9))
+    theta_2, _ = method.server_update(theta_1, updates_2, seed=0, round_index=1)
+    h_2 = {n: h_1[n] - DYN_ALPHA / m * sum(u[n] - theta_1[n] for u in uploads_2) for n in names}
+    for n in names:
+        assert_close(theta_2[n], (uploads_2[0][n] + uploads_2[1][n]) / 2 - h_2[n] / DYN_ALPHA, **TOL)
+    restored = make(FedDyn, trainer, federated=m)
+    restored.load_server_state(h_1)
+    assert_close(restored.server_update(theta_1, updates_2, seed=0, round_index=1)[0], theta_2, **TOL)
+    fresh, _ = make(FedDyn, trainer, federated=m).server_update(theta_1, updates_2, seed=0, round_index=1)
+    assert differs(fresh, theta_2, names)
+
+
+# ---------------------------------------------------------------- Per-FedAvg client step (Algorithm 1, lines 8-10)
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_perfedavg_local_steps_on_independent_minibatches(variant):
+    trainer = tiny_trainer()
+    data = image_set(3 * BATCH, seed=3)
+    w = perturbed(trainer.model, seed=2)
+    per_step = {"fo": 2, "hf": 3}[variant]
+    method = make(PerFedAvg, trainer, perfedavg_variant=variant, local_steps=2)
+
+    update = method.client_update(client_of(4, data), w, seed=5)
+
+    batches = batches_of(trainer, data, seed=5, steps=2 * per_step)  # tau = 2 local steps
+    groups = [batches[i : i + per_step] for i in range(0, len(batches), per_step)]
+    assert (update.client_id, update.num_samples) == (4, 3 * BATCH)
+    assert_close(update.upload, hand_perfedavg(trainer, w, groups, variant), **TOL)
+    other = "hf" if variant == "fo" else "fo"
+    unlike = make(PerFedAvg, trainer, perfedavg_variant=other, local_steps=2).client_update(client_of(4, data), w, 5)
+    assert differs(update.upload, unlike.upload, names_of(trainer))
+
+
+def test_perfedavg_epochs_give_a_local_step_per_minibatch_of_an_epoch():
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=3)  # 2 minibatches per epoch: 2 local steps of 3 minibatches (hf)
+    w = perturbed(trainer.model, seed=2)
+    update = make(PerFedAvg, trainer).client_update(client_of(0, data), w, seed=1)  # hf, the default
+
+    batches = batches_of(trainer, data, seed=1, epochs=3)
+    assert len(batches) == 6
+    assert_close(update.upload, hand_perfedavg(trainer, w, [batches[:3], batches[3:]], "hf"), **TOL)
+
+
+def test_perfedavg_hf_difference_approximates_the_hessian_vector_product_of_algorithm_1():
+    """d ~= hess f(w; D'') g: the HF update approximates line 10 as printed, not only the first-order one."""
+    trainer = tiny_trainer()
+    data = image_set(BATCH, seed=3)
+    w = perturbed(trainer.model, seed=2)
+    names = names_of(trainer)
+    images, labels = normalized(data.images), data.labels
+    g = {n: 0.1 * torch.randn(w[n].shape, generator=torch.Generator().manual_seed(6)) for n in names}
+    method = make(PerFedAvg, trainer)  # delta = 1e-3
+    trainer.model.load_state(w)
+    trainer.model.train()
+
+    d = method.hessian_vector_product({n: w[n] for n in names}, g, (images, labels))
+
+    module = module_at(trainer, w)
+    named = params(module)
+    gradient = torch.autograd.grad(F.cross_entropy(module(images), labels), list(named.values()), create_graph=True)
+    directional = sum((grad * g[n]).sum() for grad, n in zip(gradient, named, strict=True))
+    exact = dict(zip(named, torch.autograd.grad(directional, list(named.values())), strict=True))
+    norm = lambda tensors: torch.sqrt(sum((t**2).sum() for t in tensors.values()))  # noqa: E731
+    assert norm({n: d[n] - exact[n] for n in names}) < 1e-2 * norm(exact)
+    assert norm(exact) > 1e-2 * norm(g)  # the Hessian term is not negligible here
+
+
+def test_perfedavg_rejects_bad_settings():
+    trainer = tiny_trainer()
+    with pytest.raises(ConfigError, match="fo, hf"):
+        make(PerFedAvg, trainer, perfedavg_variant="so")
+    with pytest.raises(ConfigError, match="--perfedavg-delta"):
+        make(PerFedAvg, trainer, perfedavg_delta=-1.0)
+
+
+# ---------------------------------------------------------------- Per-FedAvg server and personalization
+
+
+@pytest.mark.parametrize(("aggregation", "weights"), [(None, (1, 1)), ("uniform", (1, 1)), ("samples", (1, 50))])
+def test_perfedavg_server_takes_the_mean_of_the_sampled_models(aggregation, weights):
+    trainer = tiny_trainer()
+    global_state, uploads, updates, floats, _ = server_problem(trainer)
+    method = make(PerFedAvg, trainer, aggregation=aggregation)
+
+    new_state, info = method.server_update(global_state, updates, seed=0, round_index=0)
+
+    total = sum(weights)
+    for key in [*names_of(trainer), *floats]:
+        expected = (weights[0] * uploads[0][key] + weights[1] * uploads[1][key]) / total
+        assert_close(new_state[key], expected, **TOL)
+    assert info == {}
+
+
+def test_perfedavg_personalizes_with_one_local_sgd_step_from_the_global_model():
+    trainer = tiny_trainer()
+    data = image_set(2 * BATCH, seed=3)
+    w = perturbed(trainer.model, seed=2)
+    names = names_of(trainer)
+    method = make(PerFedAvg, trainer, clients=[client_of(0, data)])
+
+    personal = method.personalized(0, w)
+
+    module = module_at(trainer, w)
+    batch = next(trainer.minibatches(data, epochs=1, seed=derive_seed(0, 0, FINETUNE)))  # run seed 0, client 0
+    assert batch[0].shape[0] == BATCH  # one minibatch, not the epoch
+    grads = grad_f(module, *batch)
+    expected = {n: w[n] - ALPHA * grads[n] for n in names}
+    assert_close({n: personal[n] for n in names}, expected, **TOL)
+    assert differs(personal, w, names)
+    assert make(PerFedAvg, trainer, clients=[client_of(0, data)], ft_steps=0).personalized(0, w) is w
+    epochs = make(PerFedAvg, trainer, clients=[client_of(0, data)], ft_epochs=1).personalized(0, w)
+    assert differs(epochs, personal, names)  # --ft-epochs given: a whole epoch (2 steps) instead
+
+
+# ---------------------------------------------------------------- the command line
+
+
+SMALL = ("--limit-samples", "400", "--eval-every", "0")
+
+
+@pytest.mark.parametrize("method", ["feddyn", "perfedavg"])
+def test_one_round_cli_run_exports_every_client(method, fmnist_dir, tmp_path, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    args = tiny_args(fmnist_dir, run, "--method", method, "--rounds", "1", *SMALL)
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    for client_id in range(4):
+        assert any((run / "clients" / str(client_id)).iterdir())
+    report = json.loads((run / "report.json").read_text())
+    assert report["method"] == method and len(report["personalized"]["local_test"]["per_client"]) == 4
+    saved = json.loads((run / "config.json").read_text())["config"]["method"]
+    assert (saved["feddyn_alpha"], saved["perfedavg_variant"], saved["perfedavg_delta"]) == (0.01, "hf", 0.001)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["local_loss"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("--method", "feddyn", "--feddyn-alpha", "-0.1"), "--feddyn-alpha"),
+        (("--method", "perfedavg", "--perfedavg-variant", "so"), "--perfedavg-variant"),
+        (("--method", "perfedavg", "--ft-steps", "-1"), "--ft-steps"),
+    ],
+)
+def test_cli_rejects_bad_values(extra, needle, fmnist_dir, tmp_path, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    expect_user_error(tiny_args(fmnist_dir, run, *extra, "--rounds", "1"), capsys, monkeypatch, needle)
+    assert not run.exists()
+
+
+def test_feddyn_resumed_after_round_1_ends_as_an_uninterrupted_run(fmnist_dir, tmp_path, capsys, monkeypatch, home):
+    """h is server state: saved in the checkpoint of round 1 and restored on --resume."""
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    extra = ("--method", "feddyn", "--rounds", "2", *SMALL)
+    code, _, err = run_cli(tiny_args(fmnist_dir, full, *extra), capsys, monkeypatch)
+    assert code == 0, err
+
+    crash_after_round(1, tiny_args(fmnist_dir, crashed, *extra), capsys, monkeypatch)
+    saved = load_file(crashed / "checkpoints" / "round-00001.safetensors")
+    h = [tensor for name, tensor in saved.items() if name.startswith("server/")]
+    assert h and any(tensor.abs().max() > 0 for tensor in h)
+    code, _, err = run_cli(tiny_args(fmnist_dir, crashed, *extra, "--resume"), capsys, monkeypatch)
+    assert code == 0, err
+    assert "after round 1" in err
+    assert results(crashed) == results(full)
