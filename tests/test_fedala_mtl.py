@@ -268,7 +268,7 @@ def test_mtl_without_lam_trains_each_client_alone():
 
 def test_mtl_refuses_a_pull_whose_steps_diverge():
     trainer = tiny_trainer()
-    method = make(MTL, trainer, federated=M, lam=30.0)  # lr lam Ω_kk = 0.1 * 30 * 2/3 = 2
+    method = make(MTL, trainer, federated=M, lam=40.0)  # lr lam Ω_kk = 0.1 * 40 * 2/3 > 2
     with pytest.raises(TrainingDiverged, match="--lam"):
         method.client_update(client(0, image_set(BATCH, seed=3)), method.payload(0, trainer.model.state()), seed=0)
 

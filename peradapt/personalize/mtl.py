@@ -13,19 +13,22 @@ other clients' models fixed, whose gradient is
     ∇L_k(w_k) + λ (W Ω)_k = ∇L_k(w_k) + λ Ω_kk (w_k - a_k),      a_k = -(1/Ω_kk) Σ_{j≠k} Ω_kj w_j,
 
 i.e. proximal SGD towards the anchor a_k with strength λ Ω_kk (`LocalTrainer.sgd`, DP-SGD under --dp-noise). The
-client keeps w_k, is evaluated and exported with it (w^0 before its first round), and uploads it. λ is --lam.
+client keeps w_k, is evaluated and exported with it (w^0 before its first round), and uploads it. λ is --lam;
+--lam 0 trains every client alone, which is what PFLlib's FedMTL computes (its regularizer carries no gradient). A
+client with --lr · λ Ω_kk ≥ 2 stops the run with advice: SGD steps on the pull alone would diverge.
 
 The server keeps every client's latest model as server state, saved in every round checkpoint: M models on the
-CPU, so M times the model in memory and in each checkpoint (a full ResNet-18 is 45 MB: 900 MB for M = 20). It
-sends client k a payload of its own, one model: a_k (with Ω_kk), so no client ever sees another's model. Ω is
---mtl-omega:
+CPU, so M times the model in memory and in each checkpoint (a full ResNet-18 is 45 MB: 900 MB for M = 20), beside
+the copy each client keeps in the client store. It sends client k a payload of its own, one model: a_k (with
+Ω_kk), so no client needs the others' models. Ω is --mtl-omega:
 
     mean     Ω = (I - 11ᵀ/M)², fixed: mean-regularized MTL, one of the instances of (1) the paper names, where
              tr(W Ω Wᵀ) = Σ_k ||w_k - w̄||², a_k is the mean of the other clients' models and Ω_kk = (M - 1)/M.
     learned  MOCHA's Ω-step ("update Ω centrally", Algorithm 1) after every round, as the authors' code
-             (run_mocha.m) learns it: Σ = (WᵀW)^{1/2} / tr((WᵀW)^{1/2}), Ω = Σ⁻¹, starting from Σ = I/M (so the
-             first rounds add a ridge term λM/2 ||w_k||²: use a small --lam). WᵀW is the Gram matrix of the
-             clients' trainable parameters; its eigenvalues are floored at 1e-7 so that Ω exists.
+             (run_mocha.m) learns it: Σ = (WᵀW)^{1/2} / tr((WᵀW)^{1/2}), Ω = Σ⁻¹, starting from Σ = I/M (round 1's
+             penalty is the ridge term λM/2 ||w_k||²). WᵀW is the Gram matrix of the clients' trainable
+             parameters, its eigenvalues floored at 1e-7 so that Ω exists. Models that differ little from one
+             another make Ω large (it weighs their differences by the inverse of their size): use a small --lam.
 
 The global state is the mean model w̄ = (1/M) Σ_k w_k over all M clients' latest models: bookkeeping only, which no
 client trains from. The report's "global" rows evaluate it and `global/` exports it; PerAda has no MTL row in its
