@@ -173,9 +173,10 @@ def train(
     aggregation: Annotated[
         str | None,
         Opt(
-            help="Partial-model methods', perfedavg's, pfedme's and pfedbred's server mean over the sampled clients: "
-            "samples (weighted by their sample counts) or uniform \\[default: the method's paper: uniform for fedrep, "
-            "perfedavg, pfedme and pfedbred, samples for the others]."
+            help="The server's mean over the sampled clients: samples (weighted by their sample counts) or uniform "
+            "(e.g. the PerAda authors' FedAvg) \\[default: the method's paper: uniform for perada, apfl, pfedme, "
+            "pfedbred, perfedavg, fedprox, feddyn and fedrep, samples for the others; standalone and mtl average "
+            "nothing]."
         ),
     ] = None,
     train_clients: Annotated[

@@ -89,7 +89,7 @@ class MethodConfig:
     inner_steps: int = 3  # K: inner steps of pFedMe / pFedBreD
     beta: float = 1.0  # server step size of pFedMe / pFedBreD
     mu: float = 1.0  # FedProx (Li et al.) proximal mu: 1 is their best value on MNIST, FEMNIST and synthetic data
-    aggregation: str | None = None  # server mean, partial models, pFedMe...: samples or uniform; None: the paper's
+    aggregation: str | None = None  # the server's mean: samples (n_m-weighted) or uniform; None: the paper's
     am: bool = False  # pFedMe / pFedBreD aggregate momentum (pFedBreD Appendix C.4): beta = 2, overriding beta
     # Who runs the client update each round: all (every federated client; only the sample is aggregated) or
     # sampled; None: the method's paper (all for pFedMe and pFedBreD, Algorithm 1; sampled for the others).

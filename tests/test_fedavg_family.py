@@ -91,6 +91,22 @@ def test_fedavg_server_update_is_the_sample_size_weighted_mean():
     assert info == {}
 
 
+def test_aggregation_uniform_gives_the_plain_mean_as_the_perada_authors_fedavg():
+    trainer = tiny_trainer()
+    method = FedAvg(method_context(trainer, trainer.model.state(), aggregation="uniform"))
+    uploads = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([2.0, 4.0])}, {"w": torch.tensor([6.0, 0.0])}]
+    updates = [ClientUpdate(i, u, n) for i, (u, n) in enumerate(zip(uploads, [1, 100, 10], strict=True))]
+    averaged, _ = method.server_update({"w": torch.zeros(2)}, updates, seed=0, round_index=0)
+    assert_close(averaged["w"], torch.tensor([3.0, 2.0]))  # (1/3) of the sum, whatever the sample counts
+
+
+def test_aggregation_is_refused_by_methods_that_average_nothing():
+    trainer = tiny_trainer()
+    context = method_context(trainer, trainer.model.state(), aggregation="uniform")
+    with pytest.raises(ConfigError, match="--aggregation"):
+        build_method("standalone", context)
+
+
 def test_fedavg_parameter_counts_and_default_scope():
     trainer = tiny_trainer()
     n = trainer.model.num_trainable()

@@ -31,11 +31,9 @@ default `--lr` (eq. 10 uses the same eta_t); `--alpha-lr 0` keeps alpha fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
@@ -50,6 +48,7 @@ class APFL(Method):
     name = "apfl"
     summary = "personalized model alpha v + (1 - alpha) w with a learned mixing weight (APFL, Algorithm 1)"
     default_scope = "full"
+    default_aggregation = "uniform"  # eq. 8: (1/|S|) sum of the uploads
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
@@ -102,16 +101,6 @@ class APFL(Method):
         grads = torch.autograd.grad(loss, list(parameters.values()))
         buffers = {n: t for n, t in model.state().items() if n not in parameters}
         return dict(zip(parameters, grads, strict=True)), buffers, loss.item()
-
-    def server_update(
-        self,
-        global_state: AdapterState,
-        updates: list[ClientUpdate],
-        seed: int,
-        round_index: int,
-        on_step: Callable[[int], None] | None = None,
-    ) -> tuple[AdapterState, dict[str, float]]:
-        return average_states([update.upload for update in updates]), {}  # eq. 8: uniform mean
 
     def local_model(self, client_id: int) -> AdapterState:
         return self.store.get(client_id, LOCAL_KEY) or self.context.initial

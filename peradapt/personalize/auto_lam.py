@@ -68,7 +68,7 @@ from peradapt.federation.local import LocalTrainer
 RHO = 2.0  # Section 6.1: "ρ set to 2"
 EVALUATIONS = 25  # risk evaluations per fit; the last line search may add up to 24 more (torch's max_ls = 25)
 HISTORY = 10  # L-BFGS curvature pairs (torch's default)
-PRIOR = 0.0  # precision of the N(w0, I / PRIOR) prior on the trainable parameters (module docstring)
+PRIOR = 1.0  # precision of the N(w0, I / PRIOR) prior on the trainable parameters (module docstring)
 
 # A full-batch risk: yields terms whose sum is the risk, each a chunk of the data (backpropagated one by one).
 Risk = Callable[[], Iterable[torch.Tensor]]

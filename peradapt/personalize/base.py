@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from peradapt.adapters import AdapterState
+from peradapt.adapters import AdapterState, average_states
 from peradapt.config import MethodConfig
 from peradapt.data import ClientData
 from peradapt.distill import Distiller
@@ -60,6 +60,10 @@ class Method(ABC):
     # Its paper trains every federated client each round and aggregates only the sample (pFedMe, pFedBreD
     # Algorithm 1): `clients_to_train` returns them all unless --train-clients sampled; the others refuse "all".
     trains_all_clients: ClassVar[bool] = False
+    # The server's mean over the sampled clients as the paper prints it: "samples" (n_m-weighted) or "uniform";
+    # --aggregation selects the other (the authors' codes and PFLlib differ; docs/METHODS.md says where). None: the
+    # server takes no mean of the uploads (standalone, MTL), and --aggregation is refused.
+    default_aggregation: ClassVar[str | None] = "samples"
 
     def __init__(self, context: MethodContext) -> None:
         self.context = context
@@ -71,7 +75,6 @@ class Method(ABC):
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         """Train on one sampled client, starting from what the server sent; return the upload."""
 
-    @abstractmethod
     def server_update(
         self,
         global_state: AdapterState,
@@ -81,11 +84,18 @@ class Method(ABC):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         """Build the next global adapter from the uploads of round `round_index` (from 0); return it with metrics to
-        log."""
+        log. Default: the mean of the uploads (`server_mean`), FedAvg's server step, which most methods share."""
+        return self.server_mean(updates), {}
 
     @abstractmethod
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """The adapter client `client_id` is evaluated and exported with."""
+
+    def server_mean(self, updates: list[ClientUpdate]) -> AdapterState:
+        """The mean of the uploads: n_m-weighted or plain, as --aggregation (or the paper's default) says."""
+        aggregation = self.config.aggregation or self.default_aggregation
+        weights = [u.num_samples for u in updates] if aggregation == "samples" else None
+        return average_states([u.upload for u in updates], weights)
 
     def clients_to_train(self, sampled: list[int], federated: list[int]) -> list[int]:
         """The clients that run `client_update` this round: the sampled ones, or every federated client for methods
@@ -191,6 +201,8 @@ def build_method(name: str, context: MethodContext) -> Method:
     cls = method_class(name)
     if cls.uses_distillation and context.distiller is None:
         raise ConfigError(f"--method {name} distills on unlabeled data: it needs --kd-data")
+    if context.config.aggregation and cls.default_aggregation is None:
+        raise ConfigError(f"--aggregation: --method {name} takes no mean of the clients' uploads; drop --aggregation")
     if context.config.train_clients == "all" and not cls.trains_all_clients:
         raise ConfigError(
             f"--train-clients all: --method {name} trains only the sampled clients, as its paper does; "

@@ -17,9 +17,7 @@ Defaults: the whole network trains (`default_scope = "full"`, Table 1 of PerAda)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
@@ -38,17 +36,6 @@ class Ditto(ProximalPersonalization):
         _, personal_loss = self.proximal_personal_update(client, global_state, seed)
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
-
-    def server_update(
-        self,
-        global_state: AdapterState,
-        updates: list[ClientUpdate],
-        seed: int,
-        round_index: int,
-        on_step: Callable[[int], None] | None = None,
-    ) -> tuple[AdapterState, dict[str, float]]:
-        uploads = [update.upload for update in updates]
-        return average_states(uploads, [update.num_samples for update in updates]), {}
 
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()

@@ -35,8 +35,6 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -45,7 +43,6 @@ from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, MethodContext, register
-from peradapt.personalize.fedavg import FedAvg
 
 ALA = 21  # seed phase of ALA's data sample and of its minibatches
 LOCAL_KEY = "local"  # Θ_i in the ClientStore
@@ -146,16 +143,6 @@ class FedALA(Method):
         count = max(1, int(self.config.ala_sample / 100 * len(data)))
         generator = torch.Generator().manual_seed(derive_seed(seed, ALA))
         return data.subset(torch.randperm(len(data), generator=generator)[:count])
-
-    def server_update(
-        self,
-        global_state: AdapterState,
-        updates: list[ClientUpdate],
-        seed: int,
-        round_index: int,
-        on_step: Callable[[int], None] | None = None,
-    ) -> tuple[AdapterState, dict[str, float]]:
-        return FedAvg.weighted_mean(updates), {}  # Θ = Σ_i n_i Θ_i / Σ_i n_i over the sampled clients
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """Θ_i: the local model after the client's last round (Θ^0 before its first)."""

@@ -21,10 +21,9 @@ or exported (learning rate --personal-lr, default --lr). The fine-tuning is loca
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.federation.seeds import derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
@@ -42,21 +41,6 @@ class FedAvg(Method):
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         local, loss = self.local_update(client, global_state, seed)
         return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
-
-    def server_update(
-        self,
-        global_state: AdapterState,
-        updates: list[ClientUpdate],
-        seed: int,
-        round_index: int,
-        on_step: Callable[[int], None] | None = None,
-    ) -> tuple[AdapterState, dict[str, float]]:
-        return self.weighted_mean(updates), {}
-
-    @staticmethod
-    def weighted_mean(updates: list[ClientUpdate]) -> AdapterState:
-        """w_{t+1} = sum_k n_k / n * w^k over the sampled clients."""
-        return average_states([u.upload for u in updates], [u.num_samples for u in updates])
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return global_state

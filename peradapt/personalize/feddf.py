@@ -38,7 +38,7 @@ class FedDF(FedAvg):
     ) -> tuple[AdapterState, dict[str, float]]:
         distiller = self.context.distiller
         assert distiller is not None
-        averaged = self.weighted_mean(updates)
+        averaged = self.server_mean(updates)
         if not distiller.active(round_index):
             return averaged, {}
         return distiller.distill(averaged, [u.upload for u in updates], seed=seed, on_step=on_step)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
@@ -54,6 +54,7 @@ class FedDyn(FedAvg):
     name = "feddyn"
     summary = "FedDyn: local problems with a dynamic linear + quadratic regularizer (Acar et al. 2021, Algorithm 1)"
     default_scope = "full"  # PerAda Table 2: "FedDyn, generic FL, Full"
+    default_aggregation = "uniform"  # Algorithm 1: (1/|P_t|) sum_k theta_k^t
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
@@ -103,7 +104,7 @@ class FedDyn(FedAvg):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         alpha, m = self.config.feddyn_alpha, self.num_clients
-        mean = average_states([update.upload for update in updates])  # (1/|P_t|) sum_k theta_k^t; statistics too
+        mean = self.server_mean(updates)  # (1/|P_t|) sum_k theta_k^t; statistics too
         h = self.h or zeros(global_state, self.trainer.model.trainable_parameters())
         drift = {n: sum(update.upload[n] - global_state[n] for update in updates) for n in h}
         self.h = {n: h[n] - alpha / m * drift[n] for n in h}

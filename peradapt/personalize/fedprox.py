@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
@@ -41,6 +41,7 @@ class FedProx(ProximalPersonalization):
     name = "fedprox"
     summary = "personalized FedProx: proximal local models, server gradient step on the Moreau envelope (Alg. 1)"
     default_scope = "adapter"
+    default_aggregation = "uniform"  # Algorithm 1 averages with 1/m
     uses_proximal = True
     supports_dp = True
 
@@ -57,7 +58,7 @@ class FedProx(ProximalPersonalization):
         round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        mean = average_states([update.upload for update in updates])  # (1/m) Σ_i w_{t,K}^(i)
+        mean = self.server_mean(updates)  # (1/m) Σ_i w_{t,K}^(i)
         beta = self.config.beta  # gamma * lam
         stepped = dict(mean)  # running statistics: the plain mean
         for name in self.trainer.model.trainable_parameters():

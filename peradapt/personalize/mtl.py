@@ -73,6 +73,7 @@ def relationship_omega(gram: torch.Tensor) -> torch.Tensor:
 class MTL(Method):
     name = "mtl"
     summary = "federated multi-task learning: a model per client, tr(WΩWᵀ) couples them (Smith et al. 2017)"
+    default_aggregation = None  # the server keeps every client's model, it averages nothing
     default_scope = "full"  # PerAda Table 1: "MTL, Full model"
     supports_dp = True
 

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from peradapt.adapters import AdaptedModel, AdapterState, average_states
+from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.backbones import classifier_name
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
@@ -84,7 +84,6 @@ class PartialModel(Method):
 
     default_scope = "full"
     default_part: ClassVar[str]
-    default_aggregation: ClassVar[str] = "samples"  # the server's mean over the sampled clients (--aggregation)
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
@@ -102,7 +101,6 @@ class PartialModel(Method):
         if not any(k in self.trainer.model.trainable_parameters() for k in self.shared):
             raise ConfigError(f"--personal-part {self.part} leaves nothing to share: use --scope full")
         self.initial_personal = subset(context.initial, self.personal)
-        self.aggregation = self.config.aggregation or self.default_aggregation
 
     def personal_part_keys(self) -> list[str]:
         """The state keys of the personal part: --personal-part's (or the method's default part)."""
@@ -126,8 +124,7 @@ class PartialModel(Method):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         """u <- sum_m n_m u_m / sum_m n_m (or the plain mean); the personal entries of the global state are kept."""
-        weights = [u.num_samples for u in updates] if self.aggregation == "samples" else None
-        averaged = average_states([u.upload for u in updates], weights)
+        averaged = self.server_mean(updates)
         return {**global_state, **averaged}, {}
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:

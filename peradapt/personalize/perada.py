@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
 
@@ -29,6 +29,7 @@ from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, reg
 class PerAda(ProximalPersonalization):
     name = "perada"
     summary = "personalized adapters with a proximal term to a KD-distilled global adapter (Algorithm 1)"
+    default_aggregation = "uniform"  # Algorithm 1, lines 17-18: (1/C) sum of the local adapters
     uses_distillation = True
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
     supports_dp = True
@@ -48,7 +49,7 @@ class PerAda(ProximalPersonalization):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         teachers = [update.upload for update in updates]
-        averaged = average_states(teachers)  # lines 17-18
+        averaged = self.server_mean(updates)  # lines 17-18 (uniform)
         distiller = self.context.distiller
         if not self.uses_distillation or not distiller or not distiller.active(round_index):
             return averaged, {}

@@ -31,11 +31,9 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
@@ -51,6 +49,7 @@ class PerFedAvg(FedAvgFT):
     name = "perfedavg"
     summary = "Per-FedAvg: MAML-style local meta-steps (FO or HF), one local step at evaluation (Fallah et al. 2020)"
     default_scope = "full"  # a full-model personalized baseline, as pFedMe
+    default_aggregation = "uniform"  # line 14: (1/rn) sum_i w^i
     default_ft_steps = 1  # the paper evaluates after one step of local SGD
 
     def __init__(self, context: MethodContext) -> None:
@@ -60,7 +59,6 @@ class PerFedAvg(FedAvgFT):
             raise ConfigError(f"unknown --perfedavg-variant '{config.perfedavg_variant}': use {', '.join(VARIANTS)}")
         if config.perfedavg_delta <= 0:
             raise ConfigError(f"--perfedavg-delta must be positive (the paper: 0.001), got {config.perfedavg_delta}")
-        self.aggregation = config.aggregation or "uniform"
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         config, trainer = self.config, self.trainer
@@ -107,15 +105,3 @@ class PerFedAvg(FedAvgFT):
 
     def gradient(self, batch: Batch) -> tuple[float, Tensors]:
         return minibatch_gradient(self.trainer, *batch, self.config.lr)
-
-    def server_update(
-        self,
-        global_state: AdapterState,
-        updates: list[ClientUpdate],
-        seed: int,
-        round_index: int,
-        on_step: Callable[[int], None] | None = None,
-    ) -> tuple[AdapterState, dict[str, float]]:
-        """w_{k+1} = (1/rn) sum_i w^i (line 14), or with --aggregation samples the sample-weighted mean."""
-        weights = [update.num_samples for update in updates] if self.aggregation == "samples" else None
-        return average_states([update.upload for update in updates], weights), {}

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from peradapt.adapters import AdapterState, average_states
+from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.federation.local import LocalTrainer
 from peradapt.federation.seeds import LOCAL, derive_seed
@@ -53,6 +53,7 @@ class PFedMe(Method):
     name = "pfedme"
     summary = "personalized models as Moreau-envelope proximal points of the local model (Dinh et al. 2020)"
     default_scope = "full"
+    default_aggregation = "uniform"  # Algorithm 1: (1/S) sum_i w_i
     uses_proximal = True
     trains_all_clients = True  # Algorithm 1: "for all i = 1..N"; the server samples S^t afterwards
 
@@ -120,8 +121,7 @@ class PFedMe(Method):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         # (1/S) sum_i w_i, the sampled clients' uploads only; --aggregation samples: weighted by n_i (authors' code)
-        weights = [update.num_samples for update in updates] if self.config.aggregation == "samples" else None
-        mean = average_states([update.upload for update in updates], weights)
+        mean = self.server_mean(updates)
         beta, parameters = self.beta, self.trainer.model.trainable_parameters()
         new_state = dict(mean)  # running statistics: the plain mean
         for name in parameters:

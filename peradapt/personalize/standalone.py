@@ -26,6 +26,7 @@ class Standalone(Method):
     name = "standalone"
     summary = "each client trains alone on its own data; nothing is communicated (PerAda Table 1)"
     default_scope = "full"
+    default_aggregation = None  # nothing is sent, nothing averaged
     supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
