@@ -128,16 +128,27 @@ class Method(ABC):
         self.client_update(client, global_state, seed)
         return self.personalized(client.client_id, global_state)
 
-    def local_update(self, client: ClientData, global_state: AdapterState, seed: int) -> tuple[AdapterState, float]:
-        """E epochs of plain SGD from the global state (FedAvg's client step; PerAda Algorithm 1, line 15)."""
+    def local_update(
+        self,
+        client: ClientData,
+        start: AdapterState,
+        seed: int,
+        *,
+        anchor: AdapterState | None = None,
+        lam: float = 0.0,
+    ) -> tuple[AdapterState, float]:
+        """E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda Algorithm 1,
+        line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems)."""
         config = self.config
         return self.trainer.sgd(
-            global_state,
+            start,
             client.train,
             epochs=config.local_epochs,
             steps=config.local_steps,
             lr=config.lr,
             seed=derive_seed(seed, LOCAL),
+            anchor=anchor,
+            lam=lam,
         )
 
     def parameter_counts(self) -> dict[str, int]:

@@ -39,7 +39,6 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, MethodContext, register
 from peradapt.personalize.fedavg import FedAvg
 
@@ -77,17 +76,14 @@ class FedDyn(FedAvg):
         return alpha * (sum(sizes) / len(sizes)) / len(client.train)
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config, alpha = self.config, self.client_alpha(client)
+        alpha = self.client_alpha(client)
         names = list(self.trainer.model.trainable_parameters())
         gradient = self.store.get(client.client_id, GRADIENT_KEY) or zeros(global_state, names)
         anchor = {n: global_state[n] + gradient[n] / alpha for n in names}  # a_k = theta^{t-1} + grad L_k / alpha
-        local, loss = self.trainer.sgd(
+        local, loss = self.local_update(
+            client,
             global_state,
-            client.train,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-            lr=config.lr,
-            seed=derive_seed(seed, LOCAL),
+            seed,
             anchor=anchor,
             lam=alpha,
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, register
 from peradapt.personalize.fedavg import FedAvg
 
@@ -36,13 +35,10 @@ class FedProxLi(FedAvg):
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         config = self.config
-        local, loss = self.trainer.sgd(
+        local, loss = self.local_update(
+            client,
             global_state,
-            client.train,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-            lr=config.lr,
-            seed=derive_seed(seed, LOCAL),
+            seed,
             anchor=global_state,  # w^t, fixed during the local epochs
             lam=config.mu,
         )

@@ -47,7 +47,6 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import PERSONAL_KEY, ClientUpdate, Method, MethodContext, register
 
 OMEGAS = ("mean", "learned")
@@ -130,13 +129,10 @@ class MTL(Method):
                 f"MTL's pull lam·Ω_kk = {strength:.4g} on client {client.client_id} times --lr {config.lr} is at "
                 f"least 2, where its steps diverge: lower --lam (now {config.lam})"
             )
-        own, loss = self.trainer.sgd(
+        own, loss = self.local_update(
+            client,
             self.personalized(client.client_id, global_state),
-            client.train,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-            lr=config.lr,
-            seed=derive_seed(seed, LOCAL),
+            seed,
             anchor=global_state,
             lam=strength,
         )
@@ -175,13 +171,10 @@ class MTL(Method):
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """Task M + 1 with the federation's models fixed: anchor w̄, strength lam M / (M + 1), from w̄."""
         config, m = self.config, self.num_clients
-        own, _ = self.trainer.sgd(
+        own, _ = self.local_update(
+            client,
             global_state,
-            client.train,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-            lr=config.lr,
-            seed=derive_seed(seed, LOCAL),
+            seed,
             anchor=global_state,
             lam=config.lam * m / (m + 1),
         )
