@@ -29,6 +29,8 @@ from peradapt.personalize.perada import PerAda, PerAdaNoKD
 from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; L-BFGS's many small operations
+
 # ---------------------------------------------------------------- FedProx client step (eq. 11) and server step (eq. 10)
 
 
@@ -238,9 +240,9 @@ def test_separable_classes_give_the_finite_map_optima_whatever_the_budget(monkey
 # ---------------------------------------------------------------- the estimate on the model (LocalTrainer)
 
 
-def test_client_risk_is_the_mean_loss_in_eval_mode_over_chunks():
+def test_client_risk_is_the_mean_loss_in_eval_mode_over_chunks(monkeypatch):
+    monkeypatch.setattr(auto_lam, "CHUNK", 5)
     trainer = tiny_trainer()
-    trainer.eval_batch_size = 5
     start = perturbed(trainer.model, seed=1)
     data = image_set(12, seed=3)
     trainer.model.load_state(start)

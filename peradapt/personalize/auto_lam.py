@@ -21,13 +21,13 @@ synthetic experiments know R by construction):
   R² = max_i ||w*_i - w*_g||²: Assumption 1 bounds every client (the median is recorded for information). Over
   the trainable parameters only, with the model in eval mode: no dropout, no augmentation, BatchNorm on the
   running statistics of the initial state. The objective is then deterministic, as L-BFGS needs, and a function
-  of the data and the initial state alone.
+  of the data and the initial state alone (on CUDA it runs under training's bf16 autocast, like every loss).
 - Each minimizer is fitted by full-batch L-BFGS with strong-Wolfe line search (`fit_minimizer`), which sets its
-  own step lengths: neither --lr nor --batch-size plays a part (the risk is summed over chunks of
-  --eval-batch-size, so memory is that of one batch). The client fits start from the minimizer of the pooled
+  own step lengths: neither --lr nor --batch-size plays a part (the risk is summed over chunks of CHUNK images,
+  so memory is that of one training step of that many). The client fits start from the minimizer of the pooled
   risk Σ_i p_i L_i, itself fitted from the initial state: where minimizers are not unique (non-convex or
-  over-parameterized models) this picks, for each client, one near the shared model that FedProx's proximal term
-  pulls towards.
+  over-parameterized models) this picks, for each client, one near the shared model that FedProx's proximal
+  term pulls towards.
 - Assumption 2 (μ-strong convexity) is what makes each w*_i exist and be unique. Cross-entropy on classes the
   model separates has no minimizer (the loss falls towards 0 as the weights grow without bound), and a model
   with more parameters than samples has a set of them; an adapter on a few hundred images is often both. Every
@@ -41,7 +41,8 @@ synthetic experiments know R by construction):
 - A fixed budget of EVALUATIONS risk evaluations per fit keeps the cost bounded and the estimate comparable
   between runs; each evaluation is a forward and backward pass over the fitted data. For a non-convex model the
   fits may still end on the budget rather than at a minimizer: the estimate is then fixed by these constants,
-  the data and the initial state, never by the run's optimizer settings.
+  the data and the initial state, never by the run's optimizer settings (though, as for any unfinished
+  non-convex optimization, another machine's float rounding may move it).
 - n is the mean per-client training-set size N / m (the paper's equal n_i = n); ρ = 2, the value of the
   paper's experiments (Section 6.1, found by grid search over [1, 10]).
 - λ is capped at `lam_max` (the engine passes 1 / lr: a proximal SGD step lr·λ then never overshoots the
@@ -68,6 +69,7 @@ from peradapt.federation.local import LocalTrainer
 RHO = 2.0  # Section 6.1: "ρ set to 2"
 EVALUATIONS = 25  # risk evaluations per fit; the last line search may add up to 24 more (torch's max_ls = 25)
 HISTORY = 10  # L-BFGS curvature pairs (torch's default)
+CHUNK = 128  # images per forward and backward pass: fixed, as chunks change the float rounding of the risk
 PRIOR = 1.0  # precision of the N(w0, I / PRIOR) prior on the trainable parameters (module docstring)
 
 # A full-batch risk: yields terms whose sum is the risk, each a chunk of the data (backpropagated one by one).
@@ -160,15 +162,15 @@ def heterogeneity(
 
 
 def client_risk(trainer: LocalTrainer, client: ClientData) -> Risk:
-    """L_i: the mean of `trainer.loss` over the client's training set, one term per eval-sized chunk of
-    unaugmented model inputs (with the model as it is loaded, here in eval mode)."""
-    data, chunk = client.train, trainer.eval_batch_size
+    """L_i: the mean of `trainer.loss` over the client's training set, one term per CHUNK unaugmented model
+    inputs (with the model as it is loaded, here in eval mode)."""
+    data = client.train
     assert data.labels is not None
 
     def terms() -> Iterable[torch.Tensor]:
-        for begin in range(0, len(data), chunk):
-            images = trainer.inputs(data.images[begin : begin + chunk])  # no generator: no augmentation
-            labels = data.labels[begin : begin + chunk].to(trainer.inputs.device)
+        for begin in range(0, len(data), CHUNK):
+            images = trainer.inputs(data.images[begin : begin + CHUNK])  # no generator: no augmentation
+            labels = data.labels[begin : begin + CHUNK].to(trainer.inputs.device)
             # `lr` only names the step size in a divergence message; there is none here (see estimate_lam).
             yield trainer.loss(images, labels, math.nan, reduction="sum") / len(data)
 
