@@ -6,7 +6,6 @@ objectives and update rules, never by calling the methods' code.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
@@ -27,7 +26,8 @@ from peradapt.personalize.feddyn import GRADIENT_KEY, FedDyn
 from peradapt.personalize.perfedavg import PerFedAvg
 
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
-from .test_perada import BATCH, TOL, assign, image_set, normalized, perturbed, tiny_trainer, train_mode
+from .test_perada import BATCH, TOL, image_set, normalized, perturbed, tiny_trainer
+from .test_pfedme_pfedbred import module_at, names_of, params, set_params, values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,32 +55,7 @@ def client_of(client_id, data):
     return ClientData(client_id, data, data, indices, indices)
 
 
-def names_of(trainer):
-    return list(trainer.model.trainable_parameters())
-
-
 # ---------------------------------------------------------------- the hand computations
-
-
-def module_at(trainer, state):
-    module = copy.deepcopy(trainer.model.module)
-    assign(module, state)
-    train_mode(module)
-    return module
-
-
-def params(module):
-    return {n: p for n, p in module.named_parameters() if p.requires_grad}
-
-
-def values(module, keys):
-    return {k: v.detach().clone() for k, v in module.state_dict().items() if k in keys}
-
-
-def set_params(module, new):
-    with torch.no_grad():
-        for name, parameter in params(module).items():
-            parameter.copy_(new[name])
 
 
 def grad_of(module, loss):
