@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
@@ -682,7 +683,8 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except PeradaptError as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        # escaped: a message quoting a path or name such as 'w[/b]' is text, not markup (rich would raise on it)
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("aborted")

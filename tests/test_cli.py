@@ -339,3 +339,10 @@ def test_an_unknown_flag_is_a_usage_error_not_a_traceback(capsys, monkeypatch):
     assert code == 2
     # click's wording varies with its version (typer >= 0.26 vendors its own; flwr pins typer < 0.21)
     assert "No such option" in err and "--no-such-flag" in err and "Traceback" not in err
+
+
+def test_error_messages_with_markup_like_text_print_as_they_are(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    """A name such as 'a[/red]' is quoted verbatim in the one error line (rich would read it as markup)."""
+    err = expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", "--method", "a[/red]"), capsys, monkeypatch)
+    assert "a[/red]" in err
+    assert not (tmp_path / "bad").exists()
