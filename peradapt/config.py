@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,11 @@ class TrainConfig:
 
     def validate(self) -> None:
         fed, method, distill = self.federation, self.method, self.distill
+        for name, value in self.to_flat().items():  # inf and nan pass every comparison below: refuse them first
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        if not 0 <= self.seed < 2**63:  # the range torch's and numpy's generators take
+            raise ConfigError(f"--seed must be between 0 and 2^63 - 1, got {self.seed}")
         positive = {
             "clients": fed.clients,
             "clients_per_round": fed.clients_per_round,

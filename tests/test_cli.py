@@ -346,3 +346,23 @@ def test_error_messages_with_markup_like_text_print_as_they_are(tmp_path, fmnist
     err = expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", "--method", "a[/red]"), capsys, monkeypatch)
     assert "a[/red]" in err
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--lr", "inf"),
+        ("--lr", "nan"),
+        ("--lam", "inf"),
+        ("--server-lr", "nan"),
+        ("--kd-temperature", "nan"),
+        ("--personal-lr", "nan"),
+        ("--seed", "-1"),
+        ("--seed", "99999999999999999999"),
+    ],
+)
+def test_non_finite_numbers_and_seeds_out_of_range_are_one_error_line(
+    flag, value, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", flag, value), capsys, monkeypatch, flag)
+    assert not (tmp_path / "bad").exists()
