@@ -388,8 +388,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
     try:
+        text = path.read_text(encoding="utf-8")
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
@@ -402,7 +402,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must hold a mapping of settings")
     flat: dict[str, Any] = {}
     for key, value in values.items():
-        if key in _SECTION_CLASSES and isinstance(value, dict):
+        section = key in _SECTION_CLASSES and isinstance(value, dict)
+        for name in value if section else [key]:  # YAML turns `1:`, `null:`, `true:` into keys no setting has
+            if not isinstance(name, str):
+                raise ConfigError(f"config file {path}: {name!r} is not a setting name (use the flags' names as keys)")
+        if section:
             flat.update(value)
         elif key not in ("versions", "resolved"):
             flat[key] = value

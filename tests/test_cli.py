@@ -366,3 +366,13 @@ def test_non_finite_numbers_and_seeds_out_of_range_are_one_error_line(
 ):
     expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", flag, value), capsys, monkeypatch, flag)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("content", [b"1: x\n", b"null: x\n", b"true: x\n", b"rounds: 2\n\xff\xfe: 1\n"])
+def test_config_files_with_keys_that_are_no_names_or_not_utf8_are_one_error_line(
+    content, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(content)
+    expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", "--config", str(config)), capsys, monkeypatch, "bad.yaml")
+    assert not (tmp_path / "bad").exists()
