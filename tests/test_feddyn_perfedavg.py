@@ -20,14 +20,14 @@ from peradapt.data import ClientData
 from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
+from peradapt.personalize import MethodContext
 from peradapt.personalize.fedavg import FINETUNE
 from peradapt.personalize.feddyn import GRADIENT_KEY, FedDyn
 from peradapt.personalize.perfedavg import PerFedAvg
 
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, image_set, normalized, perturbed, tiny_trainer
-from .test_pfedme_pfedbred import module_at, names_of, params, set_params, values
+from .test_pfedme_pfedbred import module_at, names_of, params, server_problem, set_params, values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,25 +113,6 @@ def hand_perfedavg(trainer, w_state, groups, variant):
     return values(module, w_state)
 
 
-def server_problem(trainer, seeds=(1, 2, 3)):
-    """A global state and uploads whose parameters and running statistics all differ."""
-    names = set(names_of(trainer))
-    states = [perturbed(trainer.model, seed=s) for s in seeds]
-    floats = [k for k, v in states[0].items() if k not in names and v.is_floating_point()]
-    integers = [k for k, v in states[0].items() if not v.is_floating_point()]
-    assert floats and integers
-    for index, state in enumerate(states):
-        for key in floats:
-            state[key] = state[key] + 0.1 * (index + 1)
-        for key in integers:
-            state[key] = torch.tensor(10 * (index + 1))
-    updates = [ClientUpdate(i, upload, n) for i, (upload, n) in enumerate(zip(states[1:], [1, 50], strict=True))]
-    return states[0], states[1:], updates, floats, integers
-
-
-# ---------------------------------------------------------------- FedDyn client step (Algorithm 1, lines 5-6)
-
-
 def test_feddyn_client_step_solves_the_dynamically_regularized_problem_and_updates_its_gradient():
     trainer = tiny_trainer()
     data = image_set(2 * BATCH, seed=3)
@@ -195,7 +176,7 @@ def test_feddyn_server_keeps_h_over_all_m_clients_and_corrects_the_mean():
     trainer = tiny_trainer()
     names = names_of(trainer)
     m = 5  # clients in the federation; 2 are sampled
-    theta_0, uploads, updates, floats, integers = server_problem(trainer)
+    theta_0, uploads, updates, floats, integers = server_problem(trainer, seeds=(1, 2, 3), sizes=(1, 50))
     method = make(FedDyn, trainer, federated=m)
     assert method.server_state() == {}
 
@@ -212,7 +193,7 @@ def test_feddyn_server_keeps_h_over_all_m_clients_and_corrects_the_mean():
     assert_close(method.server_state(), h_1, **TOL)
 
     # Round 2: h accumulates; a server restored from the saved state continues exactly, a fresh one does not.
-    _, uploads_2, updates_2, _, _ = server_problem(trainer, seeds=(1, 8, 9))
+    _, uploads_2, updates_2, _, _ = server_problem(trainer, seeds=(1, 8, 9), sizes=(1, 50))
     theta_2, _ = method.server_update(theta_1, updates_2, seed=0, round_index=1)
     h_2 = {n: h_1[n] - DYN_ALPHA / m * sum(u[n] - theta_1[n] for u in uploads_2) for n in names}
     for n in names:
@@ -295,7 +276,7 @@ def test_perfedavg_rejects_bad_settings():
 @pytest.mark.parametrize(("aggregation", "weights"), [(None, (1, 1)), ("uniform", (1, 1)), ("samples", (1, 50))])
 def test_perfedavg_server_takes_the_mean_of_the_sampled_models(aggregation, weights):
     trainer = tiny_trainer()
-    global_state, uploads, updates, floats, _ = server_problem(trainer)
+    global_state, uploads, updates, floats, _ = server_problem(trainer, seeds=(1, 2, 3), sizes=(1, 50))
     method = make(PerFedAvg, trainer, aggregation=aggregation)
 
     new_state, info = method.server_update(global_state, updates, seed=0, round_index=0)

@@ -415,10 +415,11 @@ def test_other_methods_train_the_sample_and_refuse_train_clients_all():
 # ---------------------------------------------------------------- server step (pFedMe Alg. 1; pFedBreD line 12)
 
 
-def server_problem(trainer):
-    """A global state and three uploads whose parameters and running statistics all differ."""
+def server_problem(trainer, seeds=(1, 2, 3, 4), sizes=(1, 50, 7)):
+    """A global state (from seeds[0]) and uploads (one per further seed, with `sizes` samples) whose parameters and
+    running statistics all differ."""
     names = set(names_of(trainer))
-    states = [perturbed(trainer.model, seed=s) for s in (1, 2, 3, 4)]
+    states = [perturbed(trainer.model, seed=s) for s in seeds]
     floats = [k for k, v in states[0].items() if k not in names and v.is_floating_point()]
     integers = [k for k, v in states[0].items() if not v.is_floating_point()]
     assert floats and integers
@@ -428,7 +429,7 @@ def server_problem(trainer):
         for key in integers:
             state[key] = torch.tensor(10 * (index + 1))
     global_state, uploads = states[0], states[1:]
-    updates = [ClientUpdate(i, upload, n) for i, (upload, n) in enumerate(zip(uploads, [1, 50, 7], strict=True))]
+    updates = [ClientUpdate(i, upload, n) for i, (upload, n) in enumerate(zip(uploads, sizes, strict=True))]
     return global_state, uploads, updates, floats, integers
 
 
