@@ -41,7 +41,7 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
-from peradapt.federation.seeds import LOCAL, derive_seed
+from peradapt.federation.seeds import derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, MethodContext, register
 
 ALA = 21  # seed phase of ALA's data sample and of its minibatches
@@ -84,16 +84,8 @@ class FedALA(Method):
         self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), config.ala_layers)
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config = self.config
         start, weights, ala_epochs = self.adaptive_local_aggregation(client, global_state, seed)
-        local, loss = self.trainer.sgd(
-            start,
-            client.train,
-            epochs=config.local_epochs,
-            steps=config.local_steps,
-            lr=config.lr,
-            seed=derive_seed(seed, LOCAL),
-        )
+        local, loss = self.local_update(client, start, seed)  # E epochs of SGD from the ALA initialization
         self.store.put(client.client_id, LOCAL_KEY, local)
         if weights is not None:
             self.store.put(client.client_id, WEIGHTS_KEY, weights)
