@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.federation.seeds import LOCAL, derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, register
 
 OWN_KEY = "own"
@@ -30,14 +29,7 @@ class Standalone(Method):
     supports_dp = True
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        own, loss = self.trainer.sgd(
-            self.personalized(client.client_id, global_state),
-            client.train,
-            epochs=self.config.local_epochs,
-            steps=self.config.local_steps,
-            lr=self.config.lr,
-            seed=derive_seed(seed, LOCAL),
-        )
+        own, loss = self.local_update(client, self.personalized(client.client_id, global_state), seed)
         self.store.put(client.client_id, OWN_KEY, own)
         return ClientUpdate(client.client_id, {}, len(client.train), {"local_loss": loss})
 
