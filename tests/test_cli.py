@@ -257,6 +257,24 @@ def expect_user_error(args, capsys, monkeypatch, *needles: str) -> str:
     return err
 
 
+def snapshot(path: Path) -> dict[str, bytes] | None:
+    """Every file under `path` with its bytes (None: `path` does not exist), to show a refusal wrote nothing."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def expect_refusal(args, capsys, monkeypatch, *needles: str, untouched: Path) -> str:
+    """`expect_user_error`, and the path `untouched` (a run directory, an output) is exactly as it was before:
+    absent if it was absent, else the same files with the same bytes."""
+    before = snapshot(untouched)
+    err = expect_user_error(args, capsys, monkeypatch, *needles)
+    assert snapshot(untouched) == before, f"{untouched} changed: {err}"
+    return err
+
+
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
