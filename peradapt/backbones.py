@@ -19,8 +19,10 @@ its position embeddings resampled to the new patch grid, as timm does for its ow
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -455,6 +457,47 @@ def _fetch_failure(name: str, config: PretrainedCfg, exc: Exception) -> str:
 def _first_line(exc: Exception) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def weights_fingerprint(model: nn.Module, info: BackboneInfo) -> str:
+    """SHA-256 of a loaded backbone: every tensor but the task's new classifier, and the input normalization.
+
+    A run records it, so that a run reopened later (eval, export, --resume) refuses other weights than its own."""
+    head = classifier_name(model) + "."
+    digest = hashlib.sha256(repr((info.mean, info.std)).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        if name.startswith(head):
+            continue
+        values = tensor.detach().cpu().contiguous().reshape(-1)  # 1-d: a 0-d tensor has no byte view
+        digest.update(f"{name}:{values.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(values.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def pinned_weights_path(fingerprint: str) -> Path:
+    """Where a run's weights file is kept under its fingerprint (see `pin_weights`)."""
+    return peradapt_home() / "backbones" / "sha256" / f"{fingerprint}.safetensors"
+
+
+def pin_weights(path: Path, fingerprint: str) -> Path:
+    """Keep weights file `path` (and its description) under `fingerprint`, where `pretrain` never writes, so that
+    the runs trained on it keep it after a new `pretrain` replaces the file. A hard link where possible (`pretrain`
+    replaces files, so the link keeps the old content), else a copy; written atomically."""
+    pinned = pinned_weights_path(fingerprint)
+    if pinned.is_file():
+        return pinned
+    pinned.parent.mkdir(parents=True, exist_ok=True)
+    for source, target in ((path.with_suffix(".json"), pinned.with_suffix(".json")), (path, pinned)):
+        if not source.is_file():
+            continue
+        tmp = target.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:  # another file system, or links not allowed
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    return pinned
 
 
 def save_backbone(state: dict[str, torch.Tensor], info: BackboneInfo, path: Path) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
-from peradapt.errors import ConfigError, PeradaptError
+from peradapt.errors import ConfigError, Interrupted, PeradaptError
 from peradapt.personalize import METHODS
 from peradapt.presets import PRESETS, preset_settings
+from peradapt.progress import text_console
 
 try:
     from typer import TyperException as UsageError  # typer >= 0.26, which vendors click
@@ -28,8 +28,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out_console = Console()
-err_console = Console(stderr=True, soft_wrap=True)  # paths and messages stay on one line in logs
+# Text, never markup: paths and names a user typed may hold brackets (see peradapt.progress).
+out_console = text_console()
+err_console = text_console(stderr=True, soft_wrap=True)  # paths and messages stay on one line in logs
 
 _DEFAULTS = TrainConfig().to_flat()
 
@@ -79,8 +80,16 @@ def pretrain(
         seed=seed,
         device=device,
     )
+    from peradapt.backbones import default_weights_path, pinned_weights_path
+
+    replaced = (out or default_weights_path(data, backbone)).is_file()
     path, accuracy = run_pretrain(config, err_console)
     out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)")
+    if replaced:  # runs record their backbone's fingerprint and keep a copy: they do not move to the new weights
+        out_console.print(
+            f"it replaces the weights that were there; runs trained on those keep using them "
+            f"(pinned under {pinned_weights_path('').parent})"
+        )
 
 
 @app.command()
@@ -482,7 +491,7 @@ def compare(
     names = [name.strip() for name in methods.split(",") if name.strip()]
     rows = run_compare(settings, names, list(range(seeds)), out, err_console)
     # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
-    console = out_console if out_console.is_terminal else Console(width=160)
+    console = out_console if out_console.is_terminal else text_console(width=160)
     console.print(rich_table(rows, seeds))
     out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}")
 
@@ -507,7 +516,7 @@ def evaluate(
 
     if ood is not None:
         result = evaluate_ood_run(run, ood, limit=ood_limit, console=err_console)
-        console = out_console if out_console.is_terminal else Console(width=120)
+        console = out_console if out_console.is_terminal else text_console(width=120)
         console.print(ood_table(result, f"{ood} on {run}, {len(result['clients'])} clients"))
         out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
@@ -592,14 +601,13 @@ def info(
         _print_preset(preset)
         return
     assert run is not None
-    from peradapt.federation.session import read_partition, read_run_config
+    from peradapt.federation.session import read_partition, read_report, read_run_config
     from peradapt.runs import label_skew
 
     config, resolved = read_run_config(run)
     partition = read_partition(run)
+    finished = read_report(run) or {}  # every file is checked before anything is printed
     out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
-    report_file = run / "report.json"
-    finished = json.loads(report_file.read_text()) if report_file.is_file() else {}
     privacy = finished.get("privacy")  # --dp-noise: each client's ε, known once the run has finished
     epsilons = dict(zip(finished["clients"], privacy["epsilon"]["per_client"], strict=True)) if privacy else {}
     table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
@@ -617,7 +625,7 @@ def info(
         out_console.print(f"... and {more:,} more clients ({run / 'partition.json'})", soft_wrap=True)
     skew = label_skew([c["train_histogram"] for c in partition["clients"]])
     out_console.print(f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}")
-    if "trainable_parameters" in resolved:
+    if resolved.get("backbone_parameters") and "trainable_parameters" in resolved:
         trainable, total = resolved["trainable_parameters"], resolved["backbone_parameters"]
         out_console.print(
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
@@ -656,7 +664,7 @@ def _print_preset(name: str) -> None:
         table.add_column(column, overflow="fold")
     for key, value, default, note in preset_rows(name):
         table.add_row(f"--{key.replace('_', '-')}", str(value), "auto" if default is None else str(default), note)
-    console = out_console if out_console.is_terminal else Console(width=200)
+    console = out_console if out_console.is_terminal else text_console(width=200)
     console.print(record["description"], soft_wrap=True, highlight=False, markup=False)
     console.print(table)
     console.print(f"from the authors' {record['source']}", soft_wrap=True, highlight=False, markup=False)
@@ -681,14 +689,27 @@ def report(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except PeradaptError as exc:
-        # escaped: a message quoting a path or name such as 'w[/b]' is text, not markup (rich would raise on it)
-        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err_console.print(Text.assemble(("error:", "red"), f" {exc}"), highlight=False)
         sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        err_console.print("aborted")
+    except Interrupted as exc:  # Ctrl-C during a run: what was kept and how to continue
+        err_console.print(f"interrupted: {exc}", highlight=False)
         sys.exit(130)
-    except UsageError as exc:  # usage errors: typer's own click prints them with a hint to --help
-        exc.show()  # type: ignore[attr-defined]
+    except (typer.Abort, KeyboardInterrupt):
+        code = 130
+    except UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `peradapt` alone: the help, as asked for
+            exc.show()  # type: ignore[attr-defined]
+        else:  # a flag of the wrong type, an unknown flag: one line like every other mistake
+            context = getattr(exc, "ctx", None)
+            command = context.command_path if context is not None else "peradapt"
+            message = exc.format_message()  # type: ignore[attr-defined]
+            err_console.print(Text.assemble(("error:", "red"), f" {message} (see `{command} --help`)"), highlight=False)
         sys.exit(getattr(exc, "exit_code", 2))
+    # Without standalone mode click returns what would have been the exit code: 130 for a Ctrl-C (outside a run,
+    # before anything was written), which must not read as success to `peradapt train ... && peradapt export ...`.
+    if code == 130:
+        err_console.print("interrupted: nothing was written")
+    if isinstance(code, int) and code:
+        sys.exit(code)

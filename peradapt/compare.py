@@ -8,21 +8,22 @@ same comparison only does what is missing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.federation.engine import resume_config, train
-from peradapt.federation.session import RunPaths, read_run_config
+from peradapt.federation.session import RunPaths, read_report, read_run_config
 from peradapt.personalize import method_class
+from peradapt.progress import text_console
 
 ACCURACIES = (  # of the task's metric: accuracy, or AUC for multi-label data
     ("personalized_local_test", "local-test"),
@@ -36,7 +37,7 @@ def compare(
     settings: dict, methods: Sequence[str], seeds: Sequence[int], out: Path, console: Console | None = None
 ) -> list[dict]:
     """Train (or reuse) every method x seed run and return one row per method; also writes compare.json/.md."""
-    console = console or Console(stderr=True)
+    console = console or text_console(stderr=True)
     fixed = sorted({"method", "seed", "out"} & settings.keys())
     if fixed:
         raise ConfigError(f"compare sets {', '.join(fixed)} itself: leave them out (use --methods, --seeds, --out)")
@@ -65,13 +66,14 @@ def compare(
 def _run(config: TrainConfig, console: Console) -> dict:
     paths = RunPaths(Path(config.out))
     if not paths.config.exists():
-        console.print(f"[bold]{config.method.method}[/bold], seed {config.seed}")
+        console.print(Text.assemble((config.method.method, "bold"), f", seed {config.seed}"))
         return train(config, console=console)
     saved = resume_config(paths.root, {})
     if _comparable(saved) != _comparable(config):
         raise RunError(f"{paths.root} holds a run with other settings: remove it or pass another --out")
-    if paths.report.exists():
-        return json.loads(paths.report.read_text())
+    report = read_report(paths.root)  # checked: None until the run has finished
+    if report is not None:
+        return report
     return train(saved, resume=True, console=console)
 
 

@@ -203,13 +203,26 @@ class TrainConfig:
         return config
 
     @classmethod
-    def from_dict(cls, nested: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, nested: Any) -> TrainConfig:
+        """The config that `to_dict` gave (a run's config.json): its sections as objects, every value of its field's
+        JSON type. Unlike `from_flat` (flags, config files), nothing is converted: another type is a ConfigError."""
+        if not isinstance(nested, dict):
+            raise ConfigError(f"the config is {type(nested).__name__}, not an object of sections")
+        missing = [section for section in _SAVED_SECTIONS if section not in nested]
+        if missing:
+            raise ConfigError(f"the config has no section '{missing[0]}'")
         flat: dict[str, Any] = {}
         for key, value in nested.items():
-            if isinstance(value, dict):
+            if key in _SECTION_CLASSES:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"section '{key}' is {type(value).__name__}, not an object of settings")
                 flat.update(value)
             else:
                 flat[key] = value
+        for key, value in flat.items():
+            type_name = _field_types.get(key)
+            if type_name is not None and not _is_json_type(value, type_name):
+                raise ConfigError(f"setting '{key}' must be {type_name.replace(' | None', ' or null')}, got {value!r}")
         return cls.from_flat(flat)
 
     def validate(self) -> None:
@@ -338,6 +351,7 @@ CLIENT_STORES = ("auto", "memory", "disk")
 ENGINES = ("builtin", "flower")
 _SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
 _TOP_LEVEL = ("seed", "device", "out")
+_SAVED_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")  # in every run's config.json
 _SECTION_CLASSES = {
     "data": DataConfig,
     "backbone": BackboneConfig,
@@ -358,6 +372,18 @@ for _field in dataclasses.fields(TrainConfig):
     if _field.name in _TOP_LEVEL:
         _FLAT_FIELDS[_field.name] = None
         _field_types[_field.name] = str(_field.type)
+
+
+def _is_json_type(value: Any, type_name: str) -> bool:
+    """Whether `value`, read from JSON, is of the field type `type_name` as `to_dict` writes it (a float field
+    takes a whole number too; bools are no numbers)."""
+    if value is None:
+        return "None" in type_name
+    base = type_name.replace(" | None", "")
+    if base == "bool" or isinstance(value, bool):
+        return base == "bool" and isinstance(value, bool)
+    kinds = {"int": int, "float": (int, float), "str": str}
+    return isinstance(value, kinds.get(base, object))
 
 
 def _coerce(key: str, value: Any, type_name: str) -> Any:

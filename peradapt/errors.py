@@ -23,3 +23,7 @@ class RunError(PeradaptError):
 
 class TrainingDiverged(PeradaptError):
     """A loss became NaN or infinite."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped a command; the message says what was kept and how to continue. The CLI exits with 130."""

@@ -21,15 +21,17 @@ from peradapt.errors import DataError, RunError
 from peradapt.evaluation import metric_name
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.privacy import charged_to, client_privacy
+from peradapt.federation.rundir import reads_run
 from peradapt.federation.seeds import derive_seed
 from peradapt.federation.session import RunPaths, Session
-from peradapt.runs import image_target, open_run
+from peradapt.runs import ExportedAdapters, image_target, open_run
 
 NEW_CLIENT = 12  # seed phase of a new client's personalization
 NEW_CLIENTS_DIR = "new_clients"
 TEST_SHARE = 0.25  # of a new client's images kept for its local test when its directory has no train/ and test/
 
 
+@reads_run
 def personalize_new_client(run_dir: Path, spec: str) -> dict:
     """Personalize new client `spec` (held-out id or image directory) of the finished run in `run_dir`.
 
@@ -43,7 +45,7 @@ def personalize_new_client(run_dir: Path, spec: str) -> dict:
             f"{run_dir} is not finished (no exported global model): finish it with "
             f"`peradapt train --out {run_dir} --resume`"
         )
-    global_state = session.model.load_pretrained(paths.global_adapter)
+    global_state = ExportedAdapters.open(session, paths).global_state  # a damaged one: how to export it again
     trainer, config = session.trainer, session.config
     before = trainer.score(global_state, client.test)
     with charged_to(trainer.privacy, session.store, client.client_id):  # a DP run personalizes with DP-SGD too

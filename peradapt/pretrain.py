@@ -20,7 +20,7 @@ from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
 from peradapt.federation.session import resolve_device
 from peradapt.hf import is_hf
-from peradapt.progress import progress_display
+from peradapt.progress import progress_display, text_console
 
 HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
 # (peak learning rate, weight decay): ResNets train with Nesterov SGD. ViTs train poorly from scratch with SGD, so
@@ -59,7 +59,7 @@ class PretrainConfig:
 
 def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Path, float]:
     """Train the backbone; returns where it was stored and its accuracy on held-out pretraining images."""
-    console = console or Console(stderr=True)
+    console = console or text_console(stderr=True)
     config.validate()
     vit_size = fixed_image_size(config.backbone)  # a ViT's resolution; ResNets train at the native size
     images, source = pretraining_split(

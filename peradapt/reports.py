@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -20,7 +19,8 @@ from peradapt.compare import ACCURACIES
 from peradapt.errors import RunError
 from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
-from peradapt.federation.session import RunPaths, read_run_config
+from peradapt.federation.runfiles import ROUND_RECORD, check, damaged, read_json
+from peradapt.federation.session import RunPaths, read_report, read_run_config
 from peradapt.newclients import NEW_CLIENTS_DIR
 
 DEFAULT_OUT = Path("reports")
@@ -56,23 +56,14 @@ def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
 # ---------------------------------------------------------------- reading a run
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RunError(f"{path} is unreadable ({exc})") from None
-
-
 def _load_run(run: Path) -> dict:
     if not run.is_dir():
         raise RunError(f"{run} is not a directory: pass run directories written by `peradapt train`")
     config, resolved = read_run_config(run)  # refuses directories without a readable config.json
     paths = RunPaths(run)
-    if not paths.report.is_file():
+    report = read_report(run)  # checked as this module reads it
+    if report is None:
         raise RunError(f"{run} has not finished (no report.json): finish it with `peradapt train --out {run} --resume`")
-    report = _read_json(paths.report)
-    if not isinstance(report, dict) or not {"method", "seed", "clients", "personalized", "global"} <= report.keys():
-        raise RunError(f"{paths.report} is not a report written by `peradapt train`")
     return {
         "path": run,
         "report": report,
@@ -86,14 +77,23 @@ def _load_run(run: Path) -> dict:
 def _read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []  # only the final evaluation to show
+    remedy = f"write it again from the run's newest checkpoint with `peradapt train --out {path.parent} --resume`"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise damaged(path, "not UTF-8 text", remedy) from None
+    except OSError as exc:
+        raise RunError(f"{path} cannot be read ({exc.strerror or exc}): {remedy}") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError as exc:
-            raise RunError(f"{path} line {number} is not JSON ({exc})") from None
+            raise damaged(path, f"line {number} is not JSON: {exc}", remedy) from None
+        check(record, ROUND_RECORD, path, remedy, f"line {number}")
+        records.append(record)
     return records
 
 
@@ -107,15 +107,14 @@ def _read_ood(run: Path) -> dict[str, dict[str, float]]:
     averaged over the set's parts (from `peradapt eval --ood NAME`)."""
     ood = {}
     for path in sorted(run.glob(f"{OOD_PREFIX}*.json")):
-        data = _read_json(path)
-        try:
-            average = data["average"]
-            ood[data["ood"]] = {
-                "personalized": _percent(average["personalized_mean"]),
-                "global": _percent(average["global"]),
-            }
-        except (KeyError, TypeError) as exc:
-            raise RunError(f"{path} is not written by `peradapt eval --ood` (missing {exc})") from None
+        remedy = f"delete it, or write it again with `peradapt eval --run {run} --ood` and the name of its set"
+        data = read_json(path, remedy)
+        check(data, {"ood": str, "average": {"personalized_mean": float, "global": float}}, path, remedy)
+        average = data["average"]
+        ood[data["ood"]] = {
+            "personalized": _percent(average["personalized_mean"]),
+            "global": _percent(average["global"]),
+        }
     return ood
 
 
@@ -168,7 +167,11 @@ def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
 
 def _read_new_clients(run: Path) -> dict | None:
     """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model."""
-    results = [_read_json(path) for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json"))]
+    results = []
+    for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json")):
+        remedy = f"delete {path.parent}, or personalize that client again with `peradapt personalize --run {run}`"
+        results.append(read_json(path, remedy))
+        check(results[-1], {"before": {"local_test": float}, "after": {"local_test": float}}, path, remedy)
     if not results:
         return None
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -14,19 +15,20 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from peradapt.adapters import AdapterState
+from peradapt.adapters.model import ADAPTER_CONFIG_FILE
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.data.ood import OodTarget
-from peradapt.errors import ConfigError, RunError
+from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
-from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.federation.rundir import reads_run
+from peradapt.federation.session import RunPaths, Session, open_session
 from peradapt.hf import is_hf
-from peradapt.progress import progress_display
+from peradapt.progress import progress_display, text_console
 
 
 def open_run(run_dir: Path) -> Session:
-    config, _ = read_run_config(run_dir)
-    return build_session(config, read_partition(run_dir))
+    return open_session(run_dir)
 
 
 @dataclass
@@ -42,42 +44,67 @@ class ExportedAdapters:
 
     @classmethod
     def open(cls, session: Session, paths: RunPaths) -> ExportedAdapters:
-        if not paths.global_adapter.is_dir():
+        if not paths.report.is_file():  # written last, after every adapter: the run and its export are whole
             raise RunError(
-                f"{paths.root} has no exported adapters yet: "
+                f"{paths.root} is not finished (no report.json: its training or final export did not end): "
                 f"finish it with `peradapt train --out {paths.root} --resume`"
             )
-        return cls(session, paths, session.model.load_pretrained(paths.global_adapter))
+        return cls(session, paths, _load_exported(session, paths, paths.global_adapter))
 
     def personalized(self, client_id: int) -> AdapterState:
         directory = self.paths.clients / str(client_id)
         path = directory / self.session.model.weights_file
         content = path.read_bytes() if path.is_file() else None
         if content is None or self._last is None or self._last[0] != content:
-            self._last = (content, self.session.model.load_pretrained(directory))  # which refuses a missing one
+            self._last = (content, _load_exported(self.session, self.paths, directory))  # refuses a missing one
         return self._last[1]
 
     def check_complete(self) -> None:
-        """Refuse a run whose client adapters are missing or unlike its global adapter (headers only: fast)."""
-        name = self.session.model.weights_file
-        expected = _tensor_shapes(self.paths.global_adapter / name)
+        """Refuse a run whose client adapters are missing, damaged or unlike its global adapter (which `open`
+        loaded): their headers and adapter configs only, which is fast."""
+        name, remedy = self.session.model.weights_file, _reexport(self.paths)
+        expected = _tensor_shapes(self.paths.global_adapter / name, remedy)
+        configs = [] if self.session.model.scope == "full" else [ADAPTER_CONFIG_FILE]
+        described = {config: _json_of(self.paths.global_adapter / config, remedy) for config in configs}
         for client in self.session.federated_clients:
-            path = self.paths.clients / str(client.client_id) / name
-            if not path.is_file() or _tensor_shapes(path) != expected:
-                raise RunError(
-                    f"{path} is missing or unlike the global adapter: finish the run with "
-                    f"`peradapt train --out {self.paths.root} --resume`"
-                )
+            directory = self.paths.clients / str(client.client_id)
+            if not (directory / name).is_file() or _tensor_shapes(directory / name, remedy) != expected:
+                raise RunError(f"{directory / name} is missing or unlike the global adapter: {remedy}")
+            for config, content in described.items():
+                if not (directory / config).is_file() or _json_of(directory / config, remedy) != content:
+                    raise RunError(f"{directory / config} is missing or unlike the global adapter's: {remedy}")
 
 
-def _tensor_shapes(path: Path) -> dict[str, list[int]]:
+def _reexport(paths: RunPaths) -> str:
+    """What to do about a damaged exported adapter: `--resume` of a run redoes its final evaluation and export."""
+    return f"export the run's adapters again with `peradapt train --out {paths.root} --resume`"
+
+
+def _load_exported(session: Session, paths: RunPaths, directory: Path) -> AdapterState:
+    """The adapter that `train` exported to `directory`; a missing, damaged or foreign one is a RunError that says
+    how to export it again."""
+    try:
+        return session.model.load_pretrained(directory)
+    except WeightsError as exc:
+        raise RunError(f"{exc}: {_reexport(paths)}") from None
+
+
+def _tensor_shapes(path: Path, remedy: str) -> dict[str, list[int]]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             return {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as exc:
-        raise RunError(f"cannot read {path} ({exc})") from None
+        raise RunError(f"{path} is damaged (not a readable safetensors file: {exc}): {remedy}") from None
 
 
+def _json_of(path: Path, remedy: str) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # a UnicodeDecodeError is a ValueError too
+        raise RunError(f"{path} is damaged (not a JSON file: {exc}): {remedy}") from None
+
+
+@reads_run
 def evaluate_run(run_dir: Path) -> dict:
     """local-test of every exported personalized adapter and of the global adapter, and their global-test (of a
     sample of the personalized adapters in a large federation: see `Session.client_sample`)."""
@@ -108,6 +135,7 @@ def image_target(session: Session) -> OodTarget:
     )
 
 
+@reads_run
 def evaluate_ood_run(
     run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0, console: Console | None = None
 ) -> dict:
@@ -128,7 +156,7 @@ def evaluate_ood_run(
         )
     adapters = ExportedAdapters.open(session, paths)
     clients = [client.client_id for client in session.client_sample]
-    with progress_display(console or Console(stderr=True)) as progress:
+    with progress_display(console or text_console(stderr=True)) as progress:
         ready = progress.add_task(f"{name}: corruption types ready", total=None)
         ood_set = load_ood(
             name,
@@ -210,6 +238,7 @@ def ood_table(result: dict, title: str) -> Table:
     return table
 
 
+@reads_run
 def export_run(run_dir: Path, out: Path) -> Path:
     """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT."""
     paths = RunPaths(run_dir)

@@ -224,8 +224,8 @@ def two_supernodes(tmp_path: Path) -> list[dict]:
 def train_on_grid(values: dict, grid: Grid, *, resume: bool = False) -> dict:
     config = engine.resume_config(Path(values["out"]), values) if resume else TrainConfig.from_flat(values)
     console = Console(stderr=True, quiet=True)
-    run = engine.prepare_run(config, resume=resume, console=console)
-    return engine.run_federation(run, FlowerClients(grid, run), console)
+    with engine.opened_run(config, resume=resume, console=console) as run:
+        return engine.run_federation(run, FlowerClients(grid, run), console)
 
 
 def test_supernodes_keep_their_own_clients_state_apfl(tmp_path, fmnist_dir, server_identity, home):

@@ -33,6 +33,8 @@ SCOPES = ("adapter", "full")
 FULL_MODEL_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+# The entries of adapter_config.json that say which adapter it is: another value is an adapter of another model.
+_DESCRIBING_KEYS = ("peft_type", "init_lora_weights", "r", "lora_alpha", "target_modules", "modules_to_save")
 # `--frozen-bn train`: the frozen BatchNorms' running statistics, which PEFT does not save, beside the adapter.
 FROZEN_NORMS_FILE = "frozen_bn_statistics.safetensors"
 # The second, personal classifier a method may ask for (`Method.second_head`), a module of the base network.
@@ -255,9 +257,11 @@ class AdaptedModel:
             return self._load_full(Path(directory) / FULL_MODEL_FILE)
         weights = _read_tensors(Path(directory) / ADAPTER_WEIGHTS_FILE, f"no adapter at {directory}")
         path = Path(directory) / ADAPTER_WEIGHTS_FILE
+        self._check_saved_config(Path(directory) / ADAPTER_CONFIG_FILE)
+        self._check_saved_weights(weights, path)  # before PEFT loads any of it: an adapter of another model
         try:
             result = set_peft_model_state_dict(self.module, weights)
-        except RuntimeError as exc:  # shape mismatches
+        except (RuntimeError, KeyError, ValueError) as exc:  # what PEFT raises on what the check above lets through
             raise WeightsError(f"adapter {path} does not fit this backbone: {str(exc).splitlines()[0]}") from None
         own = self._parameters.keys() | (self._buffers.keys() - self._frozen_norm_buffers)
         missing = [k for k in result.missing_keys if k in own]
@@ -267,6 +271,47 @@ class AdaptedModel:
         if self._frozen_norm_buffers:
             self._load_frozen_norms(Path(directory) / FROZEN_NORMS_FILE)
         return self.state()
+
+    def _check_saved_config(self, path: Path) -> None:
+        """Refuse an adapter_config.json (`path`) that is missing, no JSON object, or describes another adapter than
+        this model's: PEFT builds the adapter that loads the weights from it."""
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise WeightsError(f"no adapter at {path.parent} (missing {path.name})") from None
+        except (OSError, ValueError) as exc:  # a UnicodeDecodeError is a ValueError too
+            raise WeightsError(f"{path} is damaged (not a JSON file: {exc})") from None
+        if not isinstance(saved, dict):
+            raise WeightsError(f"{path} is damaged (not a JSON object)")
+        own = json.loads(self._layout_files[ADAPTER_CONFIG_FILE])
+        for key in _DESCRIBING_KEYS:
+            mine, theirs = own.get(key), saved.get(key)
+            if isinstance(mine, list) and isinstance(theirs, list):  # PEFT writes some from sets
+                mine, theirs = sorted(map(str, mine)), sorted(map(str, theirs))
+            if mine != theirs:
+                raise WeightsError(
+                    f"{path} describes another adapter than this model's ({key} {theirs!r}, this model's {mine!r})"
+                )
+
+    def _check_saved_weights(self, weights: dict[str, torch.Tensor], path: Path) -> None:
+        """Refuse saved adapter weights (`path`) whose names or shapes are not the ones this model saves: an adapter
+        of another kind, backbone or number of classes."""
+        state = self.state()
+        expected = {saved: tuple(state[name].shape) for name, saved in self._saved_names.items()}
+        unknown = sorted(weights.keys() - expected.keys())
+        missing = sorted(expected.keys() - weights.keys())
+        if unknown or missing:
+            example = f"{unknown[0]!r} unknown" if unknown else f"{missing[0]!r} missing"
+            raise WeightsError(
+                f"adapter {path} does not fit this model: it is an adapter of another kind or backbone ({example}, "
+                f"{len(weights)} tensors where this model's adapter has {len(expected)})"
+            )
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise WeightsError(
+                    f"adapter {path} does not fit this model: {name} has shape {list(weights[name].shape)}, this "
+                    f"model's {list(shape)} (an adapter of another backbone or number of classes)"
+                )
 
     @torch.no_grad()
     def _load_frozen_norms(self, path: Path) -> None:

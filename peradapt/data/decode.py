@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from rich.console import Console
 
 from peradapt.backbones import peradapt_home
 from peradapt.errors import DataError
-from peradapt.progress import progress_display
+from peradapt.progress import progress_display, text_console
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -59,7 +58,7 @@ def decode_images(files: Sequence[Path], size: int, mode: str, *, name: str, res
     if cached is not None:
         return torch.from_numpy(cached)
     images = np.empty(shape, dtype=np.uint8)
-    console = Console(stderr=True)
+    console = text_console(stderr=True)
     decode = functools.partial(_decode_file, size=size, mode=mode, resize=resize)
     description = f"decoding {len(files)} {name} images to {size} px (once: they are cached)"
     if not console.is_terminal:  # logs get one line instead of a live bar

@@ -92,7 +92,10 @@ class _Origin:
     remedy: str
 
 
-_SAVED = _Origin("the saved partition (partition.json)", "delete partition.json to start anew")
+_SAVED = _Origin(
+    "the saved partition (partition.json)",
+    "start a new run with the run's settings and another --out (the same --seed and --partition give the same split)",
+)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from peradapt.errors import RunError
+from peradapt.federation.runfiles import ROUND_RECORD, check, damaged
 
 _META_KEY = "peradapt"
 _PATTERN = "round-*.safetensors"
@@ -45,16 +45,36 @@ def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, t
 
 
 def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The tensors and metadata of the newest checkpoint in `directory`, checked (None: there is none). Older ones,
+    left by a run killed between writing a checkpoint and deleting its predecessor, are deleted once it loads."""
     candidates = sorted(directory.glob(_PATTERN))
     if not candidates:
         return None
     path = candidates[-1]
+    remedy = (
+        f"only the newest checkpoint is kept, so delete {directory} and run "
+        f"`peradapt train --out {directory.parent} --resume` to redo the run from round 1"
+    )
     try:
         with safe_open(str(path), framework="pt") as handle:
-            meta = json.loads((handle.metadata() or {})[_META_KEY])
+            metadata = handle.metadata() or {}
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise RunError(f"checkpoint {path} is unreadable ({exc}): delete it to resume from the one before") from None
+    except (SafetensorError, OSError) as exc:
+        raise damaged(path, f"not a readable safetensors file: {exc}", remedy) from None
+    if _META_KEY not in metadata:
+        raise damaged(path, f'its metadata has no "{_META_KEY}" entry', remedy)
+    try:
+        meta = json.loads(metadata[_META_KEY])
+    except ValueError as exc:
+        raise damaged(path, f"its metadata is not JSON: {exc}", remedy) from None
+    check(meta, {"metrics": [ROUND_RECORD]}, path, remedy, "metadata")
+    rounds = [record["round"] for record in meta["metrics"]]
+    if path != checkpoint_path(directory, len(rounds)):
+        raise damaged(path, f"its metadata records {len(rounds)} rounds, not the number in its name", remedy)
+    if rounds != list(range(1, len(rounds) + 1)):
+        raise damaged(path, "the rounds of its metadata are not numbered 1, 2, 3, ...", remedy)
+    for older in candidates[:-1]:
+        older.unlink()
     return tensors, meta
 
 

@@ -17,19 +17,24 @@ or a large pass per client use the session's seeded `client_sample`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import re
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 from rich.console import Console
 
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
+from peradapt.backbones import pin_weights
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError, RunError
+from peradapt.errors import ConfigError, Interrupted, RunError
 from peradapt.evaluation import (
     SELECTED_ON_TEST,
     evaluate_adapters,
@@ -39,21 +44,25 @@ from peradapt.evaluation import (
     summary,
 )
 from peradapt.federation.checkpoint import (
+    checkpoint_path,
     load_latest_checkpoint,
     save_checkpoint,
     write_json_atomic,
     write_text_atomic,
 )
 from peradapt.federation.privacy import charged_to, privacy_report, round_epsilons
+from peradapt.federation.rundir import RunLock, deferred_interrupts
+from peradapt.federation.runfiles import damaged
 from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
-from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.federation.session import RunPaths, Session, build_session, open_session, read_run_config
 from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
-from peradapt.progress import progress_display
+from peradapt.progress import progress_display, text_console
 
 RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline")
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
+_CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
 
 
 def default_run_dir(config: TrainConfig) -> Path:
@@ -79,13 +88,13 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
     """Run (or continue) a federation; returns the report also written to `report.json`."""
-    console = console or Console(stderr=True)
-    if config.federation.engine == "flower":
-        from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
+    console = console or text_console(stderr=True)
+    with opened_run(config, resume=resume, console=console) as run:
+        if config.federation.engine == "flower":
+            from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
 
-        return simulate(prepare_run(config, resume=resume, console=console), console)
-    run = prepare_run(config, resume=resume, console=console)
-    return run_federation(run, LocalClients(run.session), console)
+            return simulate(run, console)
+        return run_federation(run, LocalClients(run.session), console)
 
 
 @dataclass
@@ -98,45 +107,164 @@ class PreparedRun:
     history: list[dict]
 
 
-def prepare_run(config: TrainConfig, *, resume: bool, console: Console) -> PreparedRun:
-    """Build the session and write the run's config (and partition), or reopen it at its newest checkpoint."""
+@contextmanager
+def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterator[PreparedRun]:
+    """The run of `config` for its rounds, its directory locked against other processes until the block ends.
+
+    Every input is checked (the session built) before the directory is created. A new run that fails or is
+    interrupted before its first checkpoint leaves nothing behind; after it, a failure leaves the run as of its
+    newest checkpoint, for `--resume`, and Ctrl-C becomes `Interrupted`, which says how to resume.
+    """
     run_dir = Path(config.out) if config.out else default_run_dir(config)
     config.out = str(run_dir)
     paths = RunPaths(run_dir)
+    if not resume and paths.config.exists():  # said before the session is built, which takes a while
+        raise _already_a_run(run_dir)
     if resume:
         # Resume keeps the run's store; runs from before the disk store kept client state in their checkpoints.
         store = read_run_config(run_dir)[1].get("client_store", "memory")
-        session = build_session(config, read_partition(run_dir), client_store=_store_directory(store, paths))
-        checkpoint = load_latest_checkpoint(paths.checkpoints)
+        session = open_session(run_dir, config, client_store=_store_directory(store, paths))
     else:
-        if paths.config.exists():
-            raise RunError(f"{run_dir} already holds a run: pass --resume to continue it, or --out DIR for a new one")
         session = build_session(config, client_store=_store_directory(config.federation.store_kind(), paths))
-        checkpoint = None
-    console.print(f"backbone weights: {session.backbone.source}")
-    lam_auto = _choose_lam(session, run_dir, resume, console)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # config.json marks a run directory, so it comes last: a run killed here always has its partition.
-    if not resume:
-        write_json_atomic(paths.partition, session.data.partition)
-    resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
-    write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
+    created = not run_dir.exists()
+    with RunLock(run_dir, exclusive=True):
+        try:
+            yield _prepare(session, paths, resume, console)
+        except KeyboardInterrupt:
+            if not resume and _checkpointed_rounds(paths) == 0:
+                _remove_new_run(paths, created)
+                raise Interrupted(f"no round of {run_dir} had ended, so nothing of it was kept") from None
+            raise Interrupted(_how_to_resume(paths)) from None
+        except BaseException:
+            if not resume and _checkpointed_rounds(paths) == 0:
+                _remove_new_run(paths, created)
+            raise
 
-    global_state, history, tensors = session.initial, [], {}
-    if checkpoint is not None:
-        tensors, meta = checkpoint
-        global_state = {
-            k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)
-        }
-        history = meta["metrics"]
-    session.store.restore(tensors, len(history))
-    session.method.load_server_state(
-        {k[len(SERVER_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(SERVER_PREFIX)}
-    )
+
+def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) -> PreparedRun:
+    """Write the run's config (and partition, and pin its backbone), or reopen it at its newest checkpoint."""
+    config, run_dir = session.config, paths.root
+    checkpoint = None
+    if resume:
+        checkpoint = load_latest_checkpoint(paths.checkpoints)
+        done = len(checkpoint[1]["metrics"]) if checkpoint is not None else 0
+        if done > config.federation.rounds:
+            raise RunError(
+                f"{run_dir} has done {done} rounds, more than --rounds {config.federation.rounds}: rounds cannot be "
+                f"undone (only the newest checkpoint is kept), so pass --rounds {done} or more, or start a new run"
+            )
+    elif paths.config.exists():  # written by another process since `opened_run` looked
+        raise _already_a_run(run_dir)
+    global_state, history = _restored(session, checkpoint, paths)  # checked before anything is written
+    pinned = f" (the run's copy, {session.pinned_copy})" if session.pinned_copy else ""
+    console.print(f"backbone weights: {session.backbone.source}{pinned}")
+    lam_auto = _choose_lam(session, run_dir, resume, console)
+    with deferred_interrupts():
+        if resume:  # results of the run as it was are no longer the run's: they go before anything changes
+            _unfinish(paths)
+        else:  # config.json marks a run directory, so it comes last: a run killed here always has its partition.
+            write_json_atomic(paths.partition, session.data.partition)
+            source = Path(session.backbone.source)
+            if source.is_file():  # a weights file, which a later `pretrain` may replace: the run keeps its own
+                pin_weights(source, session.backbone_sha256)
+        resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
+        write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
+        if history:  # as the checkpoint records it: a damaged metrics.jsonl is whole again
+            write_text_atomic(paths.metrics, _metrics_lines(history))
     start = len(history)
     if start:
         console.print(f"resuming {run_dir} after round {start}")
     return PreparedRun(session, paths, global_state, history)
+
+
+def _restored(
+    session: Session, checkpoint: tuple[dict[str, torch.Tensor], dict] | None, paths: RunPaths
+) -> tuple[AdapterState, list[dict]]:
+    """The global state and round records of `checkpoint` (None: the run starts at round 1), whose tensors are
+    checked against the session before its client store and the method's server state are restored to them."""
+    global_state, history, tensors = session.initial, [], {}
+    if checkpoint is not None:
+        tensors, meta = checkpoint
+        history = meta["metrics"]
+        _check_checkpoint(session, tensors, checkpoint_path(paths.checkpoints, len(history)))
+        global_state = {
+            k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)
+        }
+    session.store.restore(tensors, len(history))
+    session.method.load_server_state(
+        {k[len(SERVER_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(SERVER_PREFIX)}
+    )
+    return global_state, history
+
+
+def _check_checkpoint(session: Session, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint whose tensors do not fit the session: the global adapter must have the initial state's
+    names and shapes; the method's server state those of its fresh one (or, where that is empty until the first
+    round, as FedDyn's h, entries of the adapter state); a client state (memory store) a `clients/<id>/<name>/...`
+    name."""
+    remedy = (
+        f"only the newest checkpoint is kept, so delete {path.parent} and run "
+        f"`peradapt train --out {path.parent.parent} --resume` to redo the run from round 1"
+    )
+    expected = {name: tuple(tensor.shape) for name, tensor in session.initial.items()}
+    fresh_server = {name: tuple(tensor.shape) for name, tensor in session.method.server_state().items()}
+    parts: dict[str, dict[str, tuple[int, ...]]] = {GLOBAL_PREFIX: {}, SERVER_PREFIX: {}}
+    for name, tensor in tensors.items():
+        prefix = next((p for p in parts if name.startswith(p)), None)
+        if prefix is not None:
+            parts[prefix][name[len(prefix) :]] = tuple(tensor.shape)
+        elif not _CLIENT_TENSOR.fullmatch(name):
+            raise damaged(path, f"it holds a tensor {name!r} that no checkpoint of peradapt has", remedy)
+    for prefix, reference, exact in (
+        (GLOBAL_PREFIX, expected, True),
+        (SERVER_PREFIX, fresh_server or expected, bool(fresh_server)),
+    ):
+        found = parts[prefix]
+        names = sorted(found.keys() ^ reference.keys()) if exact else sorted(found.keys() - reference.keys())
+        names += [name for name in sorted(found.keys() & reference.keys()) if found[name] != reference[name]]
+        if names:
+            what = "global adapter" if prefix == GLOBAL_PREFIX else "server state"
+            raise damaged(
+                path, f"its {what} does not fit this run's model, e.g. at {prefix}{names[0]}: another run's?", remedy
+            )
+
+
+def _metrics_lines(history: list[dict]) -> str:
+    """metrics.jsonl: a JSON line per round."""
+    return "".join(json.dumps(record) + "\n" for record in history)
+
+
+def _already_a_run(run_dir: Path) -> RunError:
+    return RunError(f"{run_dir} already holds a run: pass --resume to continue it, or --out DIR for a new one")
+
+
+def _unfinish(paths: RunPaths) -> None:
+    """Take away what says a run is finished (report.json, first: `eval` and `export` refuse a run without it) and
+    the evaluations of its exported adapters, which its next export replaces."""
+    paths.report.unlink(missing_ok=True)
+    for evaluation in (paths.root / "eval.json", *paths.root.glob("ood-*.json")):
+        evaluation.unlink(missing_ok=True)
+
+
+def _checkpointed_rounds(paths: RunPaths) -> int:
+    """The round of the newest checkpoint in the run directory (0: none)."""
+    return max((int(p.stem.partition("-")[2]) for p in paths.checkpoints.glob("round-*.safetensors")), default=0)
+
+
+def _how_to_resume(paths: RunPaths) -> str:
+    done = _checkpointed_rounds(paths)
+    kept = f"rounds 1-{done}" if done else "no finished round yet"
+    return f"{paths.root} holds {kept}: continue it with `peradapt train --out {paths.root} --resume`"
+
+
+def _remove_new_run(paths: RunPaths, created: bool) -> None:
+    """Delete what a new run wrote before its first checkpoint (and its directory, if the run made it)."""
+    for path in (paths.config, paths.partition, paths.metrics):
+        path.unlink(missing_ok=True)
+    for directory in (paths.checkpoints, paths.client_store):
+        shutil.rmtree(directory, ignore_errors=True)
+    if created:
+        shutil.rmtree(paths.root, ignore_errors=True)
 
 
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
@@ -273,8 +401,9 @@ def _run_rounds(
                 record.update(summarize(evaluation))
                 record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
             record.update(clients.traffic())
-            history.append(record)
-            _save_round(session, global_state, history, paths)
+            with deferred_interrupts():  # Ctrl-C: after the round's checkpoint, not between its files
+                history.append(record)
+                _save_round(session, global_state, history, paths)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
             if not console.is_terminal:  # logs and CI get one line per round instead of a live display
                 console.print(_round_description(record))
@@ -317,7 +446,7 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
     tensors = {GLOBAL_PREFIX + name: tensor for name, tensor in global_state.items()}
     tensors.update({SERVER_PREFIX + name: tensor for name, tensor in session.method.server_state().items()})
     tensors.update(session.store.checkpoint_tensors())
-    write_text_atomic(paths.metrics, "".join(json.dumps(record) + "\n" for record in history))
+    write_text_atomic(paths.metrics, _metrics_lines(history))
     save_checkpoint(paths.checkpoints, len(history), tensors, {"metrics": history})
     session.store.commit(len(history))
 

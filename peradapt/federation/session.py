@@ -7,7 +7,6 @@ mistake never leaves a half-made run directory behind.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import platform
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,14 +15,21 @@ import numpy as np
 import torch
 
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
-from peradapt.backbones import BackboneInfo, fixed_image_size, load_backbone
+from peradapt.backbones import (
+    BackboneInfo,
+    fixed_image_size,
+    load_backbone,
+    pinned_weights_path,
+    weights_fingerprint,
+)
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData, FederatedData, build_federation
 from peradapt.data.images import channel_statistics
 from peradapt.distill import Distiller
-from peradapt.errors import ConfigError, RunError
+from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.privacy import check_private_method, private_training
+from peradapt.federation.runfiles import PARTITION, REPORT, RESOLVED, check, damaged, read_json
 from peradapt.federation.seeds import EVALUATION, derive_seed
 from peradapt.federation.store import ClientStore, DiskClientStore
 from peradapt.personalize import Method, MethodContext, build_method, method_class
@@ -83,6 +89,8 @@ class Session:
     backbone: BackboneInfo
     adapter_kind: str
     device: torch.device
+    backbone_sha256: str  # `weights_fingerprint` of the backbone: a reopened run refuses other weights
+    pinned_copy: Path | None = None  # loaded from the run's pinned copy of its weights file (`open_session`)
 
     @property
     def federated_clients(self) -> list[ClientData]:
@@ -113,6 +121,7 @@ class Session:
             "client_store": self.store.kind,
             "parameter_counts": self.method.parameter_counts(),
             "weights": self.backbone.source,
+            "backbone_sha256": self.backbone_sha256,
             "device": str(self.device),
             "num_classes": self.data.num_classes,
             "channels": self.data.channels,
@@ -139,10 +148,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_session(
-    config: TrainConfig, saved_partition: dict | None = None, *, client_store: Path | None = None
+    config: TrainConfig,
+    saved_partition: dict | None = None,
+    *,
+    client_store: Path | None = None,
+    weights: Path | None = None,
+    backbone_sha256: str | None = None,
 ) -> Session:
     """Data, model, trainer and method of `config`; `saved_partition` reuses a run's partition.json, and clients'
-    private state goes to a `DiskClientStore` in the directory `client_store` (None: in memory)."""
+    private state goes to a `DiskClientStore` in the directory `client_store` (None: in memory). `weights` loads
+    the backbone from that file instead of the config's; `backbone_sha256` refuses a backbone of another
+    fingerprint (`open_session` passes both for a saved run)."""
     config.validate()
     method_cls = method_class(config.method.method)
     check_private_method(config, method_cls)
@@ -169,13 +185,21 @@ def build_session(
         data=config.data.data,
         num_classes=data.num_classes,
         in_chans=data.channels,
-        weights=config.backbone.weights,
+        weights=str(weights) if weights is not None else config.backbone.weights,
         mean=data.mean,
         std=data.std,
         image_size=data.image_size,
         offline=config.backbone.offline,
         normalization=config.backbone.normalization,
     )
+    fingerprint = weights_fingerprint(backbone, info)
+    if backbone_sha256 is not None and fingerprint != backbone_sha256:
+        raise WeightsError(
+            f"the backbone weights {info.source} are not the ones this run was trained on (fingerprint "
+            f"{fingerprint[:12]}, the run's {backbone_sha256[:12]}) and the run's pinned copy "
+            f"{pinned_weights_path(backbone_sha256)} is gone: put back the weights it was trained on, or train a "
+            "new run"
+        )
     backbone.to(device)
     if device.type == "cuda":
         backbone.to(memory_format=torch.channels_last)
@@ -206,7 +230,27 @@ def build_session(
     federated = config.federation.clients - config.federation.holdout_clients
     context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed, federated)
     method = build_method(config.method.method, context)
-    return Session(config, data, model, trainer, method, store, initial, info, kind, device)
+    return Session(config, data, model, trainer, method, store, initial, info, kind, device, fingerprint)
+
+
+def open_session(run_dir: Path, config: TrainConfig | None = None, *, client_store: Path | None = None) -> Session:
+    """The session of the saved run in `run_dir`, with `config` (default: its saved one; else one with the changes
+    `--resume` or a Flower node may make), on the backbone the run was trained on: the pinned copy of its weights
+    file where this machine has it (unless `config` names other weights), and in any case weights of the run's
+    recorded fingerprint (runs from before fingerprints: any)."""
+    saved, resolved = read_run_config(run_dir)
+    config = config or saved
+    fingerprint = resolved.get("backbone_sha256")
+    weights = None
+    if fingerprint is not None and config.backbone.weights == saved.backbone.weights:
+        pinned = pinned_weights_path(fingerprint)
+        weights = pinned if pinned.is_file() else None
+    session = build_session(
+        config, read_partition(run_dir), client_store=client_store, weights=weights, backbone_sha256=fingerprint
+    )
+    if weights is not None:  # the same weights as the file the run names: it keeps naming it
+        session.backbone.source, session.pinned_copy = resolved.get("weights", session.backbone.source), weights
+    return session
 
 
 def _augmentation(config: TrainConfig) -> str:
@@ -240,21 +284,58 @@ def _default_kind(config: TrainConfig, scope: str) -> str:
 
 
 def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
+    """The saved config of the run in `run_dir` and what its settings resolved to (config.json), checked."""
     paths = RunPaths(run_dir)
     if not paths.config.is_file():
         raise RunError(f"{run_dir} is not a peradapt run directory (no config.json): pass the --out of a train run")
+    remedy = (
+        "the run's settings are kept nowhere else: put back a copy of the file, or start a new run with the "
+        "settings it was trained with and another --out"
+    )
+    saved = read_json(paths.config, remedy)
+    check(saved, {"config": dict, "resolved?": RESOLVED}, paths.config, remedy)
     try:
-        saved = json.loads(paths.config.read_text())
-        return TrainConfig.from_dict(saved["config"]), saved.get("resolved", {})
-    except (ValueError, KeyError) as exc:
-        raise RunError(f"{paths.config} is unreadable ({exc})") from None
+        config = TrainConfig.from_dict(saved["config"])
+    except ConfigError as exc:
+        raise damaged(paths.config, str(exc), remedy) from None
+    return config, saved.get("resolved", {})
 
 
 def read_partition(run_dir: Path) -> dict:
-    path = RunPaths(run_dir).partition
+    """The clients' data split of the run in `run_dir` (partition.json), checked against its config."""
+    paths = RunPaths(run_dir)
+    config, _ = read_run_config(run_dir)
+    path = paths.partition
+    remedy = (
+        f"peradapt does not rebuild a run's data split: start a new run with the settings in {paths.config} and "
+        "another --out (the same --seed and --partition give the same split)"
+    )
     if not path.is_file():
-        raise RunError(f"{run_dir} has no partition.json: the run was never started")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise RunError(f"{path} is unreadable ({exc})") from None
+        raise RunError(f"{path} is missing: {remedy}")
+    partition = read_json(path, remedy)
+    check(partition, PARTITION, path, remedy)
+    clients = partition["clients"]
+    if len(clients) != config.federation.clients:
+        raise damaged(path, f"it has {len(clients)} clients, the run {config.federation.clients}", remedy)
+    for index, client in enumerate(clients):
+        if client["id"] != index:
+            raise damaged(path, f"clients[{index}].id is {client['id']}", remedy)
+        if sum(client["train_histogram"]) != len(client["train"]):
+            raise damaged(path, f"clients[{index}].train_histogram does not count its train list", remedy)
+        if len(client["train_histogram"]) != len(clients[0]["train_histogram"]):
+            raise damaged(path, "the clients' train histograms differ in length", remedy)
+    return partition
+
+
+def read_report(run_dir: Path) -> dict | None:
+    """The final evaluation of the run in `run_dir` (report.json), checked; None: the run has not finished."""
+    path = RunPaths(run_dir).report
+    if not path.is_file():
+        return None
+    remedy = f"rewrite it with `peradapt train --out {run_dir} --resume`, which redoes the final evaluation and export"
+    report = read_json(path, remedy)
+    check(report, REPORT, path, remedy)
+    privacy = report.get("privacy")
+    if privacy is not None and len(privacy["epsilon"]["per_client"]) != len(report["clients"]):
+        raise damaged(path, "privacy.epsilon.per_client and clients differ in length", remedy)
+    return report

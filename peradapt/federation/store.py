@@ -15,7 +15,8 @@ is current. A `put` during round r writes `<client>.<name>.r<r>.safetensors` (to
 `os.replace`: a reader sees the old file or the new one, never half of one). The version it supersedes stays until
 the checkpoint after round r is written; `commit(r)` deletes it then. `restore(R)` deletes every version newer than
 R (a round the checkpoint never recorded), every version but the newest of each state (a commit cut short) and
-every other file (temporary files of interrupted writes: the directory belongs to the store). So after a crash or
+every other file (temporary files of interrupted writes: the directory belongs to the store; a directory in it is
+not the store's, and refused, never deleted). So after a crash or
 `kill -9` anywhere, a resumed run sees exactly the states of its checkpoint, replays the lost round with the same
 seeds, rewrites the same files, and ends with the files an uninterrupted run writes. Like the checkpoints, nothing
 is fsynced: this protects against a killed process, not a lost disk cache.
@@ -33,9 +34,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from peradapt.adapters import AdapterState, state_to, state_to_cpu
+from peradapt.errors import RunError
+from peradapt.federation.runfiles import damaged
 
 _SEPARATOR = "/"
 _DISK_FILE = re.compile(r"(?P<client>\d+)\.(?P<key>\w+)\.r(?P<round>\d+)\.safetensors")
@@ -53,6 +57,12 @@ class ClientStore:
 
     def get(self, client_id: int, key: str) -> AdapterState | None:
         return self._states.get((client_id, key))
+
+    def _foreign_directory(self, path: str) -> RunError:
+        return RunError(
+            f"{path} is a directory inside the client store {self.directory}, which holds only the store's own "
+            "files (any other file there is deleted on --resume): move it out of there"
+        )
 
     def put(self, client_id: int, key: str, state: AdapterState) -> None:
         self._states[(client_id, key)] = state
@@ -99,7 +109,20 @@ class DiskClientStore(ClientStore):
         version = self._current.get((client_id, key))
         if version is None:
             return None
-        return load_file(str(self.path(client_id, key, version)), device=str(self.device))
+        path = self.path(client_id, key, version)
+        try:
+            return load_file(str(path), device=str(self.device))
+        except (SafetensorError, OSError) as exc:
+            raise damaged(path, f"not a readable safetensors file: {exc}", self._remedy()) from None
+
+    def _remedy(self) -> str:
+        """What to do about a damaged state: the store keeps no other copy, so the run is redone (its directory is
+        RUN/client_store, next to RUN/checkpoints)."""
+        run = self.directory.parent
+        return (
+            f"the client states are kept nowhere else, so delete {self.directory} and {run / 'checkpoints'} and run "
+            f"`peradapt train --out {run} --resume` to redo the run from round 1"
+        )
 
     def put(self, client_id: int, key: str, state: AdapterState) -> None:
         if not re.fullmatch(r"\w+", key):
@@ -119,28 +142,38 @@ class DiskClientStore(ClientStore):
         return {}  # the files are the state; the checkpoint's round says which versions count
 
     def restore(self, tensors: dict[str, torch.Tensor], completed_rounds: int) -> None:
-        """Make the directory hold exactly the versions current after round `completed_rounds`."""
+        """Make the directory hold exactly the versions current after round `completed_rounds`. It is checked
+        before anything is deleted: a directory inside it (not the store's: never deleted), or a current version
+        that is no whole safetensors file, is a RunError."""
         self._round, self._current, self._superseded = completed_rounds + 1, {}, []
         if not self.directory.is_dir():
             return
         versions: dict[tuple[int, str], list[int]] = {}
+        stale = []  # written in a round that no checkpoint recorded, or a write that a crash interrupted
         with os.scandir(self.directory) as entries:
             for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    raise self._foreign_directory(entry.path)
                 match = _DISK_FILE.fullmatch(entry.name)
-                if match is None:  # a write that a crash interrupted: ours (*.tmp), or the serializer's own
-                    os.unlink(entry.path)
-                    continue
-                version = int(match["round"])
-                if version > completed_rounds:  # written in a round that no checkpoint recorded
-                    os.unlink(entry.path)
+                if match is None or int(match["round"]) > completed_rounds:
+                    stale.append(entry.path)
                 else:
-                    versions.setdefault((int(match["client"]), match["key"]), []).append(version)
+                    versions.setdefault((int(match["client"]), match["key"]), []).append(int(match["round"]))
+        current = {slot: max(found) for slot, found in versions.items()}
+        for (client_id, key), version in current.items():
+            path = self.path(client_id, key, version)
+            try:
+                with safe_open(str(path), framework="pt"):  # the header alone: it also says the file is whole
+                    pass
+            except (SafetensorError, OSError) as exc:
+                raise damaged(path, f"not a readable safetensors file: {exc}", self._remedy()) from None
+        for path in stale:
+            os.unlink(path)
         for (client_id, key), found in versions.items():
-            newest = max(found)
-            self._current[(client_id, key)] = newest
             for version in found:
-                if version != newest:  # superseded: its round's commit was cut short
+                if version != current[(client_id, key)]:  # superseded: its round's commit was cut short
                     self.path(client_id, key, version).unlink()
+        self._current = current
 
     def commit(self, completed_rounds: int) -> None:
         for path in self._superseded:
@@ -167,6 +200,8 @@ class DiskClientStore(ClientStore):
             for entry in entries:
                 if not entry.name.startswith(prefix):
                     continue
+                if entry.is_dir(follow_symlinks=False):
+                    raise self._foreign_directory(entry.path)
                 match = _DISK_FILE.fullmatch(entry.name)
                 if match is None or int(match["round"]) > played:
                     os.unlink(entry.path)

@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 from peradapt.errors import ConfigError
 from peradapt.federation.checkpoint import write_text_atomic
 from peradapt.federation.engine import play_client
-from peradapt.federation.session import RunPaths, Session, build_session, read_partition, read_run_config
+from peradapt.federation.session import RunPaths, Session, open_session, read_run_config
 from peradapt.federation.store import DiskClientStore
 from peradapt.flower import records as r
 
@@ -113,7 +113,7 @@ def _session(context: Context, task: ConfigRecord) -> Session:
         config.data.data_dir = overrides.get(r.DATA_DIR, config.data.data_dir)
         config.backbone.weights = overrides.get(r.WEIGHTS, config.backbone.weights)
         config.device = overrides.get(r.DEVICE, config.device)
-        _sessions[key] = build_session(config, read_partition(run_dir), client_store=paths.client_store)
+        _sessions[key] = open_session(run_dir, config, client_store=paths.client_store)
     _sessions.move_to_end(key)
     return _sessions[key]
 

@@ -21,16 +21,16 @@ from typing import TypeVar
 
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
-from rich.console import Console
 
 from peradapt.adapters import AdapterState
 from peradapt.config import TrainConfig, read_config_file
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, RunError
-from peradapt.federation.engine import PreparedRun, prepare_run, resume_config, run_federation
+from peradapt.federation.engine import PreparedRun, opened_run, resume_config, run_federation
 from peradapt.flower import records as r
 from peradapt.flower.strategy import PeradaptStrategy
 from peradapt.personalize import ClientUpdate
+from peradapt.progress import text_console
 
 NODE_WAIT_S = 600  # how long the server waits for SuperNodes that host every client to connect
 REPLY_TIMEOUT_S = 3600  # how long it waits for one step's replies (Flower's strategies wait as long)
@@ -139,10 +139,10 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """`flwr run`: the run of the run config's `config` file into `out`, with clients on the SuperNodes."""
-    console = Console(stderr=True)
+    console = text_console(stderr=True)
     config, resume = deployed_config(context.run_config)
-    run = prepare_run(config, resume=resume, console=console)
-    run_federation(run, FlowerClients(grid, run), console)
+    with opened_run(config, resume=resume, console=console) as run:
+        run_federation(run, FlowerClients(grid, run), console)
     console.print(f"run directory: {config.out}")
 
 
