@@ -139,6 +139,9 @@ def test_resume_with_fewer_rounds_than_done_is_refused(two_rounds, tmp_path, fmn
         "--rounds 2 or more",
         untouched=run,
     )
+    code, _, err = run_cli(tiny_args(fmnist_dir, run, "--resume", "--rounds", "2"), capsys, monkeypatch)  # the advice
+    assert code == 0, err
+    assert results(run) == results(two_rounds)
 
 
 def test_extending_a_finished_run_killed_in_its_export_is_refused_then_completed(

@@ -1,0 +1,92 @@
+"""Property tests: any value of any numeric setting either is refused in one `error:` line (exit 2, no traceback,
+nothing written) or gets as far as the run directory with every input checked. Hypothesis draws the values:
+huge, tiny, negative, non-finite, not numbers at all.
+
+To stay fast a valid value stops where the run directory would be made (a stand-in for its lock), after the session
+(data, partition, backbone, method) is built: what any value can break before then, it has broken.
+"""
+
+from __future__ import annotations
+
+import click
+import pytest
+import typer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import peradapt.federation.engine as engine
+from peradapt.cli import app
+
+from .test_cli import run_cli, tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class ReachedTheRunDirectory(Exception):
+    """Every input was valid: the run directory is about to be made."""
+
+
+class StopAtTheRunDirectory:
+    def __init__(self, run_dir, *, exclusive):
+        self.run_dir = run_dir
+
+    def __enter__(self):
+        raise ReachedTheRunDirectory
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def numeric_flags(command: str) -> list[str]:
+    """The flags of `peradapt COMMAND` that take a number."""
+    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+    numeric = (click.types.IntParamType, click.types.FloatParamType)
+    return sorted(p.opts[0] for p in params if isinstance(p.type, numeric) and p.opts[0].startswith("--"))
+
+
+NUMBERS = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["0", "1", "2", "-1", "1e400", "-1e400", "1e-300", "100000000", "nan", "inf", "-inf", "1.5"]),
+    st.text(alphabet="0123456789.-+eE_xaninf", max_size=6),
+)
+# string settings that hold a number
+NUMBER_IN_STRING = {
+    "--lam": "{}",
+    "--partition": "dir:{}",
+    "--partition ": "classes:{}",
+    "--partition  ": "dir-balanced:{}",
+}
+
+
+def outcome(args, capsys, monkeypatch) -> str:
+    """'refused' after checking the refusal's form, or 'valid'."""
+    try:
+        code, _, err = run_cli(args, capsys, monkeypatch)
+    except ReachedTheRunDirectory:
+        return "valid"
+    assert code == 2, err
+    errors = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.strip().endswith(errors[0]), err
+    assert "Traceback" not in err
+    return "refused"
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_any_number_for_any_train_setting(data, tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    monkeypatch.setattr(engine, "RunLock", StopAtTheRunDirectory)
+    flags = [*numeric_flags("train"), *NUMBER_IN_STRING]
+    flag = data.draw(st.sampled_from(flags), label="flag")
+    value = data.draw(NUMBERS, label="value")
+    if flag in NUMBER_IN_STRING:
+        value = NUMBER_IN_STRING[flag].format(value)
+    out = tmp_path / "run"
+    outcome(tiny_args(fmnist_dir, out, flag.strip(), value), capsys, monkeypatch)
+    assert not out.exists()
