@@ -7,6 +7,7 @@ the same flat keys (`clients`, `lam`, `kd_steps`, ...) while library code reads 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -14,6 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from peradapt.errors import ConfigError
+
+# Settings reach torch as float32, which holds no larger magnitude (torch refuses to convert one).
+FLOAT32_MAX = 3.4028234663852886e38
+# BatchNorm in training mode normalizes a batch by its own statistics, which one sample has not: client minibatches
+# (and distillation batches under --kd-mode train) hold 2 samples or more.
+MIN_BATCH_SIZE = 2
+# The distillation loss is scaled by T², which float32 holds from about here (below: a loss of 0, then NaN).
+MIN_KD_TEMPERATURE = 1e-18
+# opacus' RDP accountant adds terms (α² - α) / (2σ²) in log space: below σ ≈ 5e-154 they overflow a float and its
+# series for fractional orders α never ends (below ~1e-162, σ² is 0 and it divides by zero); below ~2e-73 the ε of
+# a client's 1e9 steps (about steps / 2σ²) overflows the report's statistics (its square). Measured, opacus 1.6.
+MIN_DP_NOISE = 1e-70
+# Images are resized once and held in memory (a client pool of 10,000 RGB images at 4096 px: 500 GB): larger sizes
+# only end in an allocation failure. Backbones take 224-518 px.
+MAX_IMAGE_SIZE = 4096
 
 
 @dataclass
@@ -156,6 +172,11 @@ class PrivacyConfig:
             return
         if self.dp_noise <= 0 or self.dp_clip <= 0:
             raise ConfigError(f"--dp-noise and --dp-clip must be positive, got {self.dp_noise} and {self.dp_clip}")
+        if self.dp_noise < MIN_DP_NOISE:
+            raise ConfigError(
+                f"--dp-noise must be at least {MIN_DP_NOISE:g}, got {self.dp_noise:g}: the privacy accountant cannot "
+                "bound ε for less noise in floating point (and a σ much below 1 already gives a vacuous ε)"
+            )
         if lam_auto:
             raise ConfigError(
                 "--lam auto measures heterogeneity by training on every client's data outside the privacy "
@@ -228,15 +249,19 @@ class TrainConfig:
     def validate(self) -> None:
         fed, method, distill = self.federation, self.method, self.distill
         for name, value in self.to_flat().items():  # inf and nan pass every comparison below: refuse them first
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be a finite number no larger than {FLOAT32_MAX:.4g} in size "
+                    f"(training computes in float32), got {value}"
+                )
         if not 0 <= self.seed < 2**63:  # the range torch's and numpy's generators take
             raise ConfigError(f"--seed must be between 0 and 2^63 - 1, got {self.seed}")
         positive = {
             "clients": fed.clients,
             "clients_per_round": fed.clients_per_round,
-            "batch_size": method.batch_size,
             "kd_batch_size": distill.kd_batch_size,
+            "lora_rank": self.adapter.lora_rank,
+            "inner_steps": method.inner_steps,
         }
         if method.local_steps is not None:  # None: --local-epochs counts the local work
             positive["local_steps"] = method.local_steps
@@ -244,6 +269,11 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if method.batch_size < MIN_BATCH_SIZE:
+            raise ConfigError(
+                f"--batch-size must be at least {MIN_BATCH_SIZE}, got {method.batch_size}: BatchNorm layers (in "
+                "ResNet adapters, --scope full) train on each batch's statistics, which one sample has not"
+            )
         non_negative = {
             "rounds": fed.rounds,
             "local_epochs": method.local_epochs,
@@ -253,8 +283,11 @@ class TrainConfig:
             "ft_epochs": method.ft_epochs or 0,  # None: the method's own
             "ft_steps": method.ft_steps or 0,  # None: the method's own
             "mu": method.mu,
-            "inner_steps": method.inner_steps,
             "eval_every": fed.eval_every,
+            "ala_layers": method.ala_layers,
+            "prior_lr": method.prior_lr,
+            "prior_eta": method.prior_eta,
+            "alpha_lr": method.alpha_lr or 0.0,  # None: --lr
         }
         for name, value in non_negative.items():
             if value < 0:
@@ -299,14 +332,29 @@ class TrainConfig:
             raise ConfigError("--personal-lr and --beta must be positive")
         if method.lr <= 0 or distill.server_lr <= 0:
             raise ConfigError("--lr and --server-lr must be positive")
-        if distill.kd_temperature <= 0:
-            raise ConfigError("--kd-temperature must be positive")
+        positive_floats = {
+            "feddyn_alpha": method.feddyn_alpha,
+            "perfedavg_delta": method.perfedavg_delta,
+            "ala_lr": method.ala_lr,
+        }
+        for name, value in positive_floats.items():
+            if value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0.0 <= method.apfl_alpha <= 1.0:
+            raise ConfigError(f"--apfl-alpha is a mixing weight: give one in [0, 1], got {method.apfl_alpha}")
+        if not 0.0 < method.ala_sample <= 100.0:
+            raise ConfigError(
+                f"--ala-sample is a percent of the local data: give one in (0, 100], got {method.ala_sample}"
+            )
+        if distill.kd_temperature < MIN_KD_TEMPERATURE:
+            raise ConfigError(
+                f"--kd-temperature must be at least {MIN_KD_TEMPERATURE:g}, got {distill.kd_temperature}: the "
+                "distillation loss is scaled by its square, which float32 cannot hold below that"
+            )
         if not 0.0 <= self.adapter.adapter_dropout < 1.0:
             raise ConfigError("--adapter-dropout must be in [0, 1)")
         if self.data.limit_samples is not None and self.data.limit_samples < 1:
             raise ConfigError("--limit-samples must be at least 1")
-        if self.data.image_size is not None and self.data.image_size < 1:
-            raise ConfigError("--image-size must be at least 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
         choices = {
@@ -324,17 +372,53 @@ class TrainConfig:
                 raise ConfigError(f"unknown --{name.replace('_', '-')} '{value}': use {', '.join(allowed)}")
         if self.data.channels not in (None, 1, 3):
             raise ConfigError(f"--channels must be 1 or 3, got {self.data.channels}")
-        for name, size in (("kd_image_size", distill.kd_image_size),):
-            if size is not None and size < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {size}")
+        for name, size in (("image_size", self.data.image_size), ("kd_image_size", distill.kd_image_size)):
+            if size is not None and not 1 <= size <= MAX_IMAGE_SIZE:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be between 1 and {MAX_IMAGE_SIZE} px, got {size} (the data is "
+                    "held in memory at that size)"
+                )
         if distill.kd_eval_every < 0 or distill.kd_patience < 0 or distill.kd_rounds < 0:
             raise ConfigError("--kd-eval-every, --kd-patience and --kd-rounds must not be negative")
+        if distill.kd_mode == "train" and distill.kd_batch_size < MIN_BATCH_SIZE:
+            raise ConfigError(
+                f"--kd-mode train normalizes each distillation batch by its own statistics: --kd-batch-size must be "
+                f"at least {MIN_BATCH_SIZE}, got {distill.kd_batch_size}"
+            )
         if self.privacy.enabled and method.frozen_bn == "train":
             raise ConfigError(
                 "--frozen-bn train normalizes each sample with its batch's statistics, which no per-sample clipping "
                 "bounds: differentially private training needs --frozen-bn eval"
             )
         self.privacy.validate(lam_auto=method.lam_auto)
+        if self.out is not None:
+            check_output_path(Path(self.out), "--out", directory=True)
+        self._check_input_sizes()
+
+    def _check_input_sizes(self) -> None:
+        """A backbone made for one resolution (a ViT) takes --image-size px of at least one patch, and distills at
+        its input size. (ResNets take any size.)"""
+        image_size, kd_image_size = self.data.image_size, self.distill.kd_image_size
+        if image_size is None and kd_image_size is None:
+            return
+        from peradapt.backbones import fixed_image_size  # deferred: timm is slow to import
+
+        name = self.backbone.backbone
+        native = fixed_image_size(name)
+        if native is None:
+            return
+        size = image_size or native
+        patch = _patch_size(name)
+        if patch is not None and size < patch:
+            raise ConfigError(
+                f"--image-size {size} is smaller than one {patch} px patch of {name}: give at least {patch} "
+                f"(it was made for {native} px)"
+            )
+        if kd_image_size is not None and kd_image_size != size:
+            raise ConfigError(
+                f"--kd-image-size {kd_image_size}: {name} takes images of its input size only ({size} px), "
+                f"distillation images too: drop --kd-image-size or pass {size}"
+            )
 
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
@@ -384,6 +468,37 @@ def _is_json_type(value: Any, type_name: str) -> bool:
         return base == "bool" and isinstance(value, bool)
     kinds = {"int": int, "float": (int, float), "str": str}
     return isinstance(value, kinds.get(base, object))
+
+
+def check_output_path(path: Path, flag: str, *, directory: bool) -> None:
+    """Refuse an output path that cannot be written as `flag` asks: a file where a directory goes (`directory`)
+    or the reverse, or a path under a file."""
+    if path.exists():
+        if directory and not path.is_dir():
+            raise ConfigError(f"{flag} {path} is a file, not a directory: give a directory path")
+        if not directory and path.is_dir():
+            raise ConfigError(f"{flag} {path} is a directory: give a file path, e.g. {path / 'backbone.safetensors'}")
+        return
+    parent = next((parent for parent in path.parents if parent.exists()), None)  # the nearest that exists
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{flag} {path} is under {parent}, which is a file: give a path in a directory")
+
+
+@functools.lru_cache(maxsize=8)
+def _patch_size(backbone: str) -> int | None:
+    """The patch size of a timm backbone with a patch embedding (ViTs), from a model made on no device; None for
+    others and for transformers models (whose --image-size must be their own)."""
+    import timm  # deferred, as in `_check_input_sizes`
+    import torch
+
+    from peradapt.hf import is_hf
+
+    if is_hf(backbone):
+        return None
+    with torch.device("meta"):
+        model = timm.create_model(backbone, pretrained=False)
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    return max(patch) if isinstance(patch, tuple) else patch
 
 
 def _coerce(key: str, value: Any, type_name: str) -> Any:

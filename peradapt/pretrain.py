@@ -6,6 +6,7 @@ see, and stored where `peradapt train` finds it (or at `--out`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from peradapt.adapters.vit import is_vit
 from peradapt.backbones import BackboneInfo, create_backbone, default_weights_path, fixed_image_size, save_backbone
+from peradapt.config import FLOAT32_MAX, MIN_BATCH_SIZE, check_output_path
 from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
@@ -28,6 +30,8 @@ HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the
 # against SGD's 41.6%).
 SGD_DEFAULTS = (0.05, 5e-4)
 ADAMW_DEFAULTS = (1e-3, 0.05)
+# One image held out (at least), and a batch for BatchNorm left to train on.
+MIN_PRETRAIN_SAMPLES = 1 + MIN_BATCH_SIZE
 
 
 @dataclass
@@ -51,16 +55,52 @@ class PretrainConfig:
                 f"{self.backbone}: `peradapt pretrain` makes timm backbones; a Hugging Face model brings its own "
                 "weights (pass it to `peradapt train --backbone` as it is)"
             )
-        if self.epochs < 1 or self.batch_size < 1 or (self.lr is not None and self.lr <= 0):
-            raise ConfigError("--epochs and --batch-size must be at least 1 and --lr positive")
-        if self.limit_samples is not None and self.limit_samples < 2:
-            raise ConfigError("--limit-samples must be at least 2 for pretraining")
+        if self.lr is not None and not (math.isfinite(self.lr) and 0 < self.lr <= FLOAT32_MAX):
+            raise ConfigError(
+                f"--lr must be a positive finite number no larger than {FLOAT32_MAX:.4g} (training computes in "
+                f"float32), got {self.lr}"
+            )
+        decay = self.weight_decay
+        if decay is not None and not (math.isfinite(decay) and 0 <= decay <= FLOAT32_MAX):
+            raise ConfigError(f"weight_decay must be a finite number, 0 or more, got {decay}")
+        if self.epochs < 1:
+            raise ConfigError(f"--epochs must be at least 1, got {self.epochs}")
+        if self.batch_size < MIN_BATCH_SIZE:
+            raise ConfigError(
+                f"--batch-size must be at least {MIN_BATCH_SIZE}, got {self.batch_size}: the backbone's BatchNorm "
+                "layers train on each batch's statistics, which one sample has not"
+            )
+        if self.limit_samples is not None and self.limit_samples < MIN_PRETRAIN_SAMPLES:
+            raise ConfigError(
+                f"--limit-samples must be at least {MIN_PRETRAIN_SAMPLES} for pretraining, got {self.limit_samples}: "
+                f"{HELD_OUT_FRACTION:.0%} of the images (1 at least) are held out to measure the backbone, and a "
+                f"batch of {MIN_BATCH_SIZE} must be left to train on"
+            )
+        if not 0 <= self.seed < 2**63:  # the range torch's generators take
+            raise ConfigError(f"--seed must be between 0 and 2^63 - 1, got {self.seed}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
+        if self.out is not None and Path(self.out).suffix.lower() == ".json":
+            raise ConfigError(
+                f"--out {self.out}: the weights' description is written beside them as .json; "
+                "give the weights a .safetensors name"
+            )
+
+    def out_path(self) -> Path:
+        """Where the weights go: --out, or the store `train` looks in; checked to be a writable file path."""
+        if self.out:
+            check_output_path(Path(self.out), "--out", directory=False)
+            return Path(self.out)
+        out = default_weights_path(self.data, self.backbone)
+        check_output_path(out, "the weights store's file (PERADAPT_HOME)", directory=False)
+        return out
 
 
 def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Path, float]:
     """Train the backbone; returns where it was stored and its accuracy on held-out pretraining images."""
     console = console or text_console(stderr=True)
     config.validate()
+    out = config.out_path()  # before the data is loaded and the backbone trained
     vit_size = fixed_image_size(config.backbone)  # a ViT's resolution; ResNets train at the native size
     images, source = pretraining_split(
         config.data, config.data_dir, limit_samples=config.limit_samples, download=config.download, image_size=vit_size
@@ -96,7 +136,6 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
                 schedule.step()
                 progress.update(bar, advance=1, description=f"epoch {epoch + 1}/{config.epochs} loss {loss.item():.3f}")
     accuracy = _accuracy(model, held_out, inputs)
-    out = Path(config.out) if config.out else default_weights_path(config.data, config.backbone)
     info = BackboneInfo(
         backbone=config.backbone,
         in_chans=images.images.shape[1],

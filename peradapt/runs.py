@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from safetensors.torch import save_file
 from peradapt.adapters import AdapterState
 from peradapt.adapters.model import ADAPTER_CONFIG_FILE
 from peradapt.backbones import BackboneInfo, save_backbone
+from peradapt.config import check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.evaluation import evaluate_adapters, summary
@@ -238,15 +241,64 @@ def ood_table(result: dict, title: str) -> Table:
     return table
 
 
+# What `export_run` writes into its directory. A directory of these alone (clients/ and global/ among them) holds an
+# earlier export, which a new one replaces; a directory with anything else in it is never written to.
+_EXPORT_ENTRIES = frozenset({"clients", "global", "backbone.safetensors", "backbone.json", "backbone"})
+
+
 @reads_run
 def export_run(run_dir: Path, out: Path) -> Path:
-    """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT."""
+    """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT.
+
+    The export is written into a new directory beside `out`, then moved into place: it replaces an earlier export
+    at `out` as a whole (no client of an earlier, larger run is left), and a failed export leaves `out` as it was.
+    `out` must be new, empty or an earlier export: other files are never overwritten or deleted."""
+    out = out.resolve() if out.is_symlink() else out
+    _check_export_target(run_dir, out)
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
     ExportedAdapters.open(session, paths).check_complete()
-    out.mkdir(parents=True, exist_ok=True)
+    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:12]}")
+    try:
+        staging.mkdir()
+        _write_export(session, paths, staging)
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created is not None:  # the directories made for `out`, which hold nothing else
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_export_target(run_dir: Path, out: Path) -> None:
+    check_output_path(out, "--out", directory=True)
+    run, target = run_dir.resolve(), out.resolve()
+    if target == run or run in target.parents:
+        where = "is the run directory" if target == run else f"is inside the run directory {run_dir}"
+        raise ConfigError(f"--out {out} {where}: export to a directory outside the run")
+    if out.is_dir() and any(out.iterdir()) and not _is_export(out):
+        raise ConfigError(
+            f"--out {out} holds files that are no peradapt export: give a new or empty directory (an earlier "
+            "export there is replaced, nothing else)"
+        )
+
+
+def _is_export(directory: Path) -> bool:
+    """Whether `directory` holds what `export_run` writes and nothing else."""
+    entries = {entry.name for entry in directory.iterdir()}
+    backbone = "backbone.safetensors" in entries or "backbone" in entries
+    if not (entries <= _EXPORT_ENTRIES and {"clients", "global"} <= entries and backbone):
+        return False
+    clients = directory / "clients"
+    return (directory / "global").is_dir() and clients.is_dir() and all(c.name.isdigit() for c in clients.iterdir())
+
+
+def _write_export(session: Session, paths: RunPaths, out: Path) -> None:
     for name in ("clients", "global"):
-        shutil.copytree(paths.root / name, out / name, dirs_exist_ok=True)
+        shutil.copytree(paths.root / name, out / name)
     plain = session.model.backbone_state()
     info = BackboneInfo(
         session.config.backbone.backbone,
@@ -258,7 +310,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     )
     if not is_hf(info.backbone):
         save_backbone(plain, info, out / "backbone.safetensors")
-        return out
+        return
     # A transformers model directory (config with the task's classes and channels + weights): from_pretrained
     # loads it, and `--backbone hf:OUT/backbone` trains on it again. Its description is OUT/backbone.json, as for timm.
     directory = out / "backbone"
@@ -266,7 +318,22 @@ def export_run(run_dir: Path, out: Path) -> Path:
     tensors = {k: v.detach().cpu().contiguous() for k, v in plain.items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     info.save(directory)  # writes directory.with_suffix(".json")
-    return out
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename `staging` to `out`; an `out` there (empty, or an earlier export) is renamed away first and deleted
+    once the new export is in place, or put back if it cannot be."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    old = staging.with_name(staging.name + ".old")
+    os.replace(out, old)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)  # the new export is in place whatever is left of the old one
 
 
 def label_skew(histograms: list[list[int]]) -> float:

@@ -312,8 +312,6 @@ def test_pfedbred_rejects_an_unknown_prior():
     trainer = tiny_trainer()
     with pytest.raises(ConfigError, match="lg, meg, mh"):
         make(PFedBreD, trainer, prior="median")
-    with pytest.raises(ConfigError, match="prior-eta"):
-        make(PFedBreD, trainer, prior_eta=-1.0)
 
 
 # ---------------------------------------------------------------- pFedBreD mh as the authors' code (Eq. 24)

@@ -390,6 +390,7 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
     block_convs = _basic_block_convs(backbone)
     if kind == "residual":
         if is_vit(backbone):  # the bottleneck adapter on every block's MLP output (adapters/vit.py)
+            _check_rank(backbone, mlp_outputs(backbone), lora_rank)
             return LoraConfig(
                 target_modules=mlp_outputs(backbone),
                 modules_to_save=[*block_layer_norms(backbone), head],
@@ -409,6 +410,7 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
             init_lora_weights=RESIDUAL_INIT,
         )
     if kind == "lora":
+        _check_rank(backbone, _lora_targets(backbone, block_convs, head), lora_rank)
         return LoraConfig(
             target_modules=_lora_targets(backbone, block_convs, head),
             modules_to_save=[head],
@@ -417,6 +419,25 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
             lora_dropout=dropout,
         )
     raise ConfigError(f"unknown --adapter '{kind}': use one of {', '.join(ADAPTER_KINDS)}")
+
+
+def _check_rank(backbone: nn.Module, targets: list[str], rank: int) -> None:
+    """A rank (or bottleneck width) above every adapted layer's width adds parameters and memory, no capacity."""
+    modules = dict(backbone.named_modules())
+    widths = [
+        max(
+            getattr(module, "in_features", 0),
+            getattr(module, "out_features", 0),
+            getattr(module, "in_channels", 0),
+            getattr(module, "out_channels", 0),
+        )
+        for module in (modules[name] for name in targets if name in modules)
+    ]
+    if widths and rank > max(widths):
+        raise ConfigError(
+            f"--lora-rank {rank} is above the width of every layer it adapts (at most {max(widths)}): give at most "
+            f"{max(widths)}"
+        )
 
 
 def _lora_targets(backbone: nn.Module, block_convs: list[str], head: str) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from peradapt.config import MIN_BATCH_SIZE
 from peradapt.data.images import ImageSet, SourceData, channel_statistics, fit_images
 from peradapt.data.officehome import DOMAINS as OFFICE_HOME_DOMAINS
 from peradapt.data.partition import (
@@ -54,6 +55,9 @@ _FIXED_SPLIT, _TRAIN_ROWS = "fixed-split", "train-rows"
 # split (their test_ratio), and the list under this key holds the server's validation rows.
 _AUTHORS_TEST_SHARE = Fraction(1, 10)
 _AUTHORS_VAL_KEY = "-1"
+# The training samples every client of a new partition (or a file's) must get: a minibatch that BatchNorm can train
+# on. (A client may lack test samples: its score is undefined, NaN, and left out of means, as at scale.)
+MIN_CLIENT_TRAIN = MIN_BATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -223,13 +227,17 @@ def build_federation(
         )
     groups = _partition_groups(source, spec, pool_rows, test_rows, pool, test)
     if given is None:
+        remedy = _check_room(num_clients, len(pool), limit_samples)
         parts = _new_parts(spec, groups, num_clients, seed, len(splits.pool) + len(splits.val))
+        _check_filled(parts, f"--partition {spec}", remedy)
     else:
         reused = given.record
         if _is_authors_layout(reused):
             reused = _authors_record(reused, given.origin, num_clients, seed, splits.val)
         reserved = _reserved_rows(splits, own_kd=kd_source == dataset)
         parts = _given_parts(reused, given.origin, dataset, num_clients, len(pool), len(test), reserved)
+        if given.origin is not _SAVED:  # a run's own partition trained before: --resume keeps its clients
+            _check_filled(parts, given.origin.name, given.origin.remedy)
     clients = [
         ClientData(client, pool.subset(train_part), test.subset(test_part), train_part, test_part)
         for client, (train_part, test_part) in enumerate(zip(parts.train, parts.test, strict=True))
@@ -292,6 +300,30 @@ def _new_parts(spec: PartitionSpec, groups: _PartitionGroups, num_clients: int, 
         )
     train_parts = partition_labels(groups.pool, num_clients, spec, rng)
     return _Parts(train_parts, split_test_like_train(groups.test, train_parts, groups.pool, groups.count, rng))
+
+
+def _check_room(num_clients: int, pool_size: int, limit_samples: int | None) -> str:
+    """Refuse more clients than the client pool holds MIN_CLIENT_TRAIN samples for; else return what to do should a
+    drawn partition still leave a client short."""
+    fit = pool_size // MIN_CLIENT_TRAIN
+    if num_clients > fit:
+        more = f", or raise --limit-samples to {num_clients * MIN_CLIENT_TRAIN} or more" if limit_samples else ""
+        raise DataError(
+            f"{num_clients} clients need at least {MIN_CLIENT_TRAIN} training samples each, but the client pool has "
+            f"{pool_size}: use --clients {fit} or fewer{more}"
+        )
+    more = ", raise --limit-samples" if limit_samples else ""
+    return f"lower --clients{more} or use a partition that spreads the samples more evenly (iid, a larger ALPHA)"
+
+
+def _check_filled(parts: _Parts, name: str, remedy: str) -> None:
+    """Every client of `parts` holds MIN_CLIENT_TRAIN training samples."""
+    for client, train in enumerate(parts.train):
+        if len(train) < MIN_CLIENT_TRAIN:
+            raise DataError(
+                f"{name} gives client {client} {len(train)} training sample(s); every client needs at least "
+                f"{MIN_CLIENT_TRAIN} (BatchNorm trains on batches of {MIN_CLIENT_TRAIN} or more): {remedy}"
+            )
 
 
 def _check_domain_clients(dataset: str, num_clients: int) -> None:

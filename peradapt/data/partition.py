@@ -89,6 +89,12 @@ def partition_labels(
         proportions = class_proportions(int(labels.max()) + 1, num_clients, float(spec.value), rng)
         parts = balanced_dirichlet_parts(labels, proportions, rng)
     elif spec.kind == "classes":
+        present = len(np.unique(labels))
+        if int(spec.value) > present:
+            raise DataError(
+                f"--partition {spec} gives each client {spec.value} classes, but the client pool holds {present}: "
+                f"use classes:K with K at most {present} (classes:{present} gives every client all of them)"
+            )
         parts = _class_shard_parts(labels, num_clients, int(spec.value), rng)
     else:
         raise ConfigError(f"--partition {spec} is read from its file, not computed from labels")
@@ -158,15 +164,14 @@ def _class_shard_parts(
     labels: np.ndarray, num_clients: int, classes_per_client: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
     classes = rng.permutation(np.unique(labels))
-    per_client = min(classes_per_client, len(classes))
     holders: dict[int, list[int]] = {int(label): [] for label in classes}
     # Walking the shuffled classes cyclically gives each client distinct classes and each class
     # an almost equal number of holders.
     for client in range(num_clients):
-        for slot in range(per_client):
-            holders[int(classes[(client * per_client + slot) % len(classes)])].append(client)
+        for slot in range(classes_per_client):
+            holders[int(classes[(client * classes_per_client + slot) % len(classes)])].append(client)
     # With fewer slots than classes, the classes nobody drew still need holders so that every sample is used.
-    for position, label in enumerate(classes[num_clients * per_client :]):
+    for position, label in enumerate(classes[num_clients * classes_per_client :]):
         holders[int(label)].append(position % num_clients)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for label, clients in holders.items():
@@ -245,11 +250,14 @@ def balanced_dirichlet_parts(
 
 def _check_reserve(members: Sequence[np.ndarray], num_clients: int, where: str) -> None:
     reserve = RESERVED_PER_CLASS * num_clients
+    fit = min(len(indices) for indices in members) // RESERVED_PER_CLASS  # the most clients every class can serve
     for label, indices in enumerate(members):
         if len(indices) < reserve:
             raise DataError(
                 f"dir-balanced gives each of the {num_clients} clients {RESERVED_PER_CLASS} samples of every class, "
-                f"but class {label} has {len(indices)} in {where} (needs {reserve}): lower --clients or use dir:ALPHA"
+                f"but class {label} has {len(indices)} in {where} (needs {reserve}): lower --clients or use dir:ALPHA "
+                f"(every class holds enough for {fit} client(s) at most; or give it more data, e.g. a larger "
+                "--limit-samples)"
             )
 
 

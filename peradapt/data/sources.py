@@ -61,6 +61,8 @@ def load_source(
     if resize not in RESIZES:
         raise ConfigError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     path = None if data_dir is None else Path(data_dir)
+    if path is not None and name in _FROM_FILES:
+        _check_data_dir(name, path, download=download and name in _LOADERS)
     decoder = _DECODED.get(name)
     if decoder is not None:
         return decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize)
@@ -69,6 +71,21 @@ def load_source(
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
     source = loader(path, download)
     return source if image_size is None and channels is None else source.fitted(image_size, channels)
+
+
+def _check_data_dir(name: str, path: Path, *, download: bool) -> None:
+    """A --data-dir must be a directory; one that does not exist yet only with --download, which fills it. (Never
+    the system copy of a dataset instead: the user named another place.)"""
+    if path.is_dir() or (download and not path.exists()):
+        return
+    if path.exists():
+        raise DataError(f"--data-dir {path} is a file, not a directory: give the directory that holds {name}")
+    advice = "give the directory that holds its files"
+    if name in _LOADERS:
+        advice += " (or add --download to fetch them into it)"
+    if name == "fmnist":  # the one source with a system copy
+        advice += ", or drop --data-dir to use the system copy (`apt-get install dataset-fashion-mnist`)"
+    raise DataError(f"--data-dir {path} does not exist: {advice}")
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -256,3 +273,4 @@ _DECODED: dict[str, _Decoder] = {
     "chexpert": load_chexpert,
 }
 SOURCE_NAMES: tuple[str, ...] = (*_LOADERS, *_DECODED)
+_FROM_FILES = ("fmnist", "cifar10", "cifar100", *_DECODED)  # read from --data-dir (digits: sklearn's copy)

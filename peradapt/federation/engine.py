@@ -70,20 +70,30 @@ def default_run_dir(config: TrainConfig) -> Path:
 
 
 def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
-    """The saved config of `run_dir` with `overrides` applied; only settings that keep results valid may change."""
+    """The saved config of `run_dir` with `overrides` applied; only settings that keep results valid may change.
+    Values compare as parsed: `--lam 1` is the saved 1.0."""
     saved, _ = read_run_config(run_dir)
     flat = saved.to_flat()
-    if flat["lam_auto"] and str(overrides.get("lam", "")).strip().lower() == "auto":
+    auto = str(overrides.get("lam", "")).strip().lower() == "auto"
+    if flat["lam_auto"] and auto:
         overrides = {k: v for k, v in overrides.items() if k != "lam"}  # keep the λ chosen when the run began
-    changed = sorted(k for k, v in overrides.items() if k not in RESUMABLE_CHANGES and flat.get(k) != v)
+    merged = {**flat, **overrides, "out": str(run_dir)}
+    if auto:  # --lam auto on a run of a fixed λ: the saved lam_auto (False) must not undo it
+        merged.pop("lam_auto")
+    resumed = TrainConfig.from_flat(merged)
+    parsed = resumed.to_flat()
+    changed = sorted(
+        key
+        for key in (k.replace("-", "_") for k in overrides)
+        if key not in RESUMABLE_CHANGES
+        and (parsed[key] != flat[key] or (key == "lam" and parsed["lam_auto"] != flat["lam_auto"]))
+    )
     if changed:
         raise RunError(
             f"--resume continues {run_dir} with its saved settings; these differ: {', '.join(changed)}. "
             f"Only {', '.join(RESUMABLE_CHANGES)} may change; start a new run with --out for anything else"
         )
-    flat.update(overrides)
-    flat["out"] = str(run_dir)
-    return TrainConfig.from_flat(flat)
+    return resumed
 
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:

@@ -35,9 +35,8 @@ import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError
 from peradapt.federation.seeds import LOCAL, derive_seed
-from peradapt.personalize.base import ClientUpdate, Method, MethodContext, register
+from peradapt.personalize.base import ClientUpdate, Method, register
 
 LOCAL_KEY = "local"  # v_m
 ALPHA_KEY = "alpha"  # {"alpha": alpha_m}, a 0-d float64 tensor
@@ -49,13 +48,6 @@ class APFL(Method):
     summary = "personalized model alpha v + (1 - alpha) w with a learned mixing weight (APFL, Algorithm 1)"
     default_scope = "full"
     default_aggregation = "uniform"  # eq. 8: (1/|S|) sum of the uploads
-
-    def __init__(self, context: MethodContext) -> None:
-        super().__init__(context)
-        if not 0.0 <= self.config.apfl_alpha <= 1.0:
-            raise ConfigError(f"--apfl-alpha must be in [0, 1], got {self.config.apfl_alpha}")
-        if self.config.alpha_lr is not None and self.config.alpha_lr < 0:
-            raise ConfigError(f"--alpha-lr must not be negative, got {self.config.alpha_lr}")
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         return self._local_steps(client, global_state, seed, train_w=True)

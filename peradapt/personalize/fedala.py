@@ -40,7 +40,6 @@ import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
-from peradapt.errors import ConfigError
 from peradapt.federation.seeds import derive_seed
 from peradapt.personalize.base import ClientUpdate, Method, MethodContext, register
 
@@ -72,16 +71,8 @@ class FedALA(Method):
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
-        config = self.config
-        if not 0 < config.ala_sample <= 100:
-            raise ConfigError(
-                f"--ala-sample is a percent of the local data: give one in (0, 100], got {config.ala_sample}"
-            )
-        if config.ala_layers < 0:
-            raise ConfigError(f"--ala-layers counts layers from the output (0: all): got {config.ala_layers}")
-        if config.ala_lr <= 0:
-            raise ConfigError(f"--ala-lr must be positive (the paper: 1.0), got {config.ala_lr}")
-        self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), config.ala_layers)
+        # --ala-sample, --ala-layers and --ala-lr are range-checked with every setting (`TrainConfig.validate`)
+        self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), self.config.ala_layers)
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         start, weights, ala_epochs = self.adaptive_local_aggregation(client, global_state, seed)

@@ -58,8 +58,6 @@ class FedDyn(FedAvg):
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
         config = self.config
-        if config.feddyn_alpha <= 0:
-            raise ConfigError(f"--feddyn-alpha must be positive (e.g. 0.1, 0.01, 0.001), got {config.feddyn_alpha}")
         if config.feddyn_client_alpha not in CLIENT_ALPHAS:
             raise ConfigError(
                 f"unknown --feddyn-client-alpha '{config.feddyn_client_alpha}': use {', '.join(CLIENT_ALPHAS)}"

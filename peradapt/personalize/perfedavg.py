@@ -57,8 +57,6 @@ class PerFedAvg(FedAvgFT):
         config = self.config
         if config.perfedavg_variant not in VARIANTS:
             raise ConfigError(f"unknown --perfedavg-variant '{config.perfedavg_variant}': use {', '.join(VARIANTS)}")
-        if config.perfedavg_delta <= 0:
-            raise ConfigError(f"--perfedavg-delta must be positive (the paper: 0.001), got {config.perfedavg_delta}")
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         config, trainer = self.config, self.trainer

@@ -70,8 +70,6 @@ class PFedBreD(PFedMe):
         super().__init__(context)
         if self.config.prior not in PRIORS:
             raise ConfigError(f"unknown --prior '{self.config.prior}': use {', '.join(PRIORS)}")
-        if self.config.prior_lr < 0 or self.config.prior_eta < 0:
-            raise ConfigError("--prior-lr and --prior-eta must not be negative")
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         lam, alpha_m = self.config.lam, self.config.lr
