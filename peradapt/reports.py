@@ -19,7 +19,7 @@ from peradapt.compare import ACCURACIES
 from peradapt.errors import RunError
 from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
-from peradapt.federation.runfiles import ROUND_RECORD, check, damaged, read_json
+from peradapt.federation.runfiles import ROUND_RECORD, check, damaged, read_json, read_text
 from peradapt.federation.session import RunPaths, read_report, read_run_config
 from peradapt.newclients import NEW_CLIENTS_DIR
 
@@ -78,12 +78,7 @@ def _read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []  # only the final evaluation to show
     remedy = f"write it again from the run's newest checkpoint with `peradapt train --out {path.parent} --resume`"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise damaged(path, "not UTF-8 text", remedy) from None
-    except OSError as exc:
-        raise RunError(f"{path} cannot be read ({exc.strerror or exc}): {remedy}") from None
+    text = read_text(path, remedy)
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

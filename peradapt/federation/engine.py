@@ -78,7 +78,7 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
     if flat["lam_auto"] and auto:
         overrides = {k: v for k, v in overrides.items() if k != "lam"}  # keep the λ chosen when the run began
     merged = {**flat, **overrides, "out": str(run_dir)}
-    if auto:  # --lam auto on a run of a fixed λ: the saved lam_auto (False) must not undo it
+    if auto and not flat["lam_auto"]:  # --lam auto on a run of a fixed λ: the saved lam_auto (False) must not undo it
         merged.pop("lam_auto")
     resumed = TrainConfig.from_flat(merged)
     parsed = resumed.to_flat()

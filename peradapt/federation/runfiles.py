@@ -66,14 +66,19 @@ def damaged(path: Path, problem: str, remedy: str) -> RunError:
     return RunError(f"{path} is damaged ({problem}): {remedy}")
 
 
-def read_json(path: Path, remedy: str) -> Any:
-    """The JSON value in `path`; a file that cannot be read, is not UTF-8 or not JSON is a RunError."""
+def read_text(path: Path, remedy: str) -> str:
+    """The text in `path`; a file that cannot be read or is not UTF-8 is a RunError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise damaged(path, "not UTF-8 text", remedy) from None
     except OSError as exc:
         raise RunError(f"{path} cannot be read ({exc.strerror or exc}): {remedy}") from None
+
+
+def read_json(path: Path, remedy: str) -> Any:
+    """The JSON value in `path`; a file that cannot be read, is not UTF-8 or not JSON is a RunError."""
+    text = read_text(path, remedy)
     try:
         return json.loads(text)
     except ValueError as exc:
