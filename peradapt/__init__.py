@@ -1,8 +1,11 @@
 """peradapt: personalized federated learning with adapters on frozen pretrained backbones.
 
-Importing peradapt registers the residual adapter with PEFT (so exported adapters load with a plain
-`peft.PeftModel.from_pretrained`) and the narrow ResNets (`resnet18_w16`, ...) with timm.
+The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`; see
+`peradapt.api`) does what the commands do. Importing peradapt registers the residual adapter with PEFT (so exported
+adapters load with a plain `peft.PeftModel.from_pretrained`) and the narrow ResNets (`resnet18_w16`, ...) with timm.
 """
+
+from typing import Any
 
 from peradapt import backbones as _backbones  # noqa: F401  (registers narrow ResNets with timm)
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
@@ -11,4 +14,25 @@ from peradapt.errors import PeradaptError
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptedModel", "AdapterState", "PeradaptError", "TrainConfig", "__version__", "inject_adapters"]
+_API = (
+    "compare",
+    "evaluate",
+    "export",
+    "personalize_new_client",
+    "pretrain",
+    "push_to_hub",
+    "report",
+    "train",
+    "training_config",
+)
+
+__all__ = ["AdaptedModel", "AdapterState", "PeradaptError", "TrainConfig", "__version__", "inject_adapters", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    """The API's functions, imported when first used: the command line starts without the training stack."""
+    if name in _API:
+        from peradapt import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'peradapt' has no attribute '{name}'")

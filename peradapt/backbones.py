@@ -19,6 +19,7 @@ its position embeddings resampled to the new patch grid, as timm does for its ow
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -64,6 +65,7 @@ from peradapt.hf import (
     hf_pretrained_weights,
     is_hf,
 )
+from peradapt.home import peradapt_home
 from peradapt.small_inputs import use_small_input_convolutions
 
 # Narrow ResNets with the paper's block layout, for CPU-sized runs and tests. Registered with timm so that
@@ -124,10 +126,6 @@ _register_narrow_resnets()
 _register_tiny_vits()
 
 
-def peradapt_home() -> Path:
-    return Path(os.environ.get("PERADAPT_HOME", Path.home() / ".cache" / "peradapt"))
-
-
 def default_weights_path(data: str, backbone: str) -> Path:
     return peradapt_home() / "backbones" / f"{data}-{backbone}.safetensors"
 
@@ -154,6 +152,40 @@ def fixed_image_size(name: str) -> int | None:
     _check_timm_name(name)
     config = get_pretrained_cfg(name)
     return config.input_size[-1] if config is not None and config.fixed_input_size else None
+
+
+def check_input_sizes(name: str, image_size: int | None, kd_image_size: int | None) -> None:
+    """A backbone made for one resolution (a ViT) takes --image-size px of at least one patch, and distills at its
+    input size. (ResNets take any size.)"""
+    if image_size is None and kd_image_size is None:
+        return
+    native = fixed_image_size(name)
+    if native is None:
+        return
+    size = image_size or native
+    patch = _patch_size(name)
+    if patch is not None and size < patch:
+        raise ConfigError(
+            f"--image-size {size} is smaller than one {patch} px patch of {name}: give at least {patch} "
+            f"(it was made for {native} px)"
+        )
+    if kd_image_size is not None and kd_image_size != size:
+        raise ConfigError(
+            f"--kd-image-size {kd_image_size}: {name} takes images of its input size only ({size} px), "
+            f"distillation images too: drop --kd-image-size or pass {size}"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _patch_size(name: str) -> int | None:
+    """The patch size of a timm backbone with a patch embedding (ViTs), from a model made on no device; None for
+    others and for transformers models (whose --image-size must be their own)."""
+    if is_hf(name):
+        return None
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    return max(patch) if isinstance(patch, tuple) else patch
 
 
 def create_backbone(name: str, num_classes: int, in_chans: int, image_size: int | None = None) -> nn.Module:
@@ -273,13 +305,15 @@ def load_backbone(
     image_size: int,
     offline: bool = False,
     normalization: str = "auto",
+    pretrainable: bool = False,
 ) -> tuple[nn.Module, BackboneInfo]:
     """A frozen backbone with a fresh `num_classes` head, made for `image_size` px, and where its weights came from.
 
     Published timm weights missing from the local cache are fetched unless `offline` (or `HF_HUB_OFFLINE=1`).
     Inputs are normalized with `mean`/`std` (the data's statistics) under `normalization="data"`; under "auto" too,
     unless the weights say otherwise: the JSON beside a weights file, the pretrained config of a ViT with published
-    weights (see `_own_normalization`), or timm's config of the published weights loaded.
+    weights (see `_own_normalization`), or timm's config of the published weights loaded. `pretrainable`: whether
+    `peradapt pretrain` can make weights for `data` (the advice when none are found says so).
     """
     if normalization not in NORMALIZATIONS:
         raise ConfigError(f"unknown --normalization '{normalization}': use {', '.join(NORMALIZATIONS)}")
@@ -293,6 +327,7 @@ def load_backbone(
         image_size=image_size,
         # huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is the user's setting.
         offline_by="--offline" if offline else "HF_HUB_OFFLINE=1" if hub_constants.HF_HUB_OFFLINE else None,
+        pretrainable=pretrainable,
     )
     if normalization == "data":
         info.mean, info.std = mean, std
@@ -309,6 +344,7 @@ def _pretrained_backbone(
     data_normalization: tuple[tuple[float, ...], tuple[float, ...]],
     image_size: int,
     offline_by: str | None,
+    pretrainable: bool,
 ) -> tuple[nn.Module, BackboneInfo]:
     """The backbone with the first weights that apply, in the module docstring's order, and their description;
     `offline_by` names the setting that forbids fetching weights, if any."""
@@ -330,7 +366,9 @@ def _pretrained_backbone(
     _check_timm_name(name)
     # timm hands out a randomly initialised model, with only a log warning, for names without published weights.
     if not _has_published_weights(name):
-        raise WeightsError(f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored)}")
+        raise WeightsError(
+            f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored, pretrainable)}"
+        )
     config = get_pretrained_cfg(name)
     assert config is not None  # published weights come with a config
     cached = _cached_weights_file(config)
@@ -338,7 +376,7 @@ def _pretrained_backbone(
         raise WeightsError(
             f"the pretrained weights of {name} ({_origin(config)}) are not in the local cache and {offline_by} "
             f"forbids fetching them: run once without {offline_by} to fetch them, or "
-            f"{_how_to_get_weights(name, data, stored)}"
+            f"{_how_to_get_weights(name, data, stored, pretrainable)}"
         )
     model, source = _published_backbone(name, config, cached, num_classes, in_chans, image_size)
     return model, BackboneInfo(name, in_chans, image_size, tuple(config.mean), tuple(config.std), source)
@@ -363,10 +401,8 @@ def _has_published_weights(name: str) -> bool:
     return config is not None and bool(config.hf_hub_id or config.url)
 
 
-def _how_to_get_weights(name: str, data: str, stored: Path) -> str:
-    from peradapt.data import has_pretraining_split  # deferred: the data package imports this module
-
-    if has_pretraining_split(data):
+def _how_to_get_weights(name: str, data: str, stored: Path, pretrainable: bool) -> str:
+    if pretrainable:
         return f"run `peradapt pretrain --data {data} --backbone {name}` (writes {stored}) or pass --weights FILE"
     return (
         f"{data} has no split for `peradapt pretrain`, so pass --weights FILE.safetensors (e.g. ImageNet weights "

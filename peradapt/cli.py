@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from peradapt.config import DISK_STORE_ABOVE, TrainConfig, read_config_file
+from peradapt import api
+from peradapt.config import DISK_STORE_ABOVE, TrainConfig
 from peradapt.errors import ConfigError, Interrupted, PeradaptError
 from peradapt.personalize import METHODS
-from peradapt.presets import PRESETS, preset_settings
+from peradapt.presets import PRESETS
 from peradapt.progress import text_console
 
 try:
@@ -64,26 +65,23 @@ def pretrain(
     device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Make a backbone offline by training it on a labeled split the clients never see (stands in for ImageNet)."""
-    from peradapt.pretrain import PretrainConfig
-    from peradapt.pretrain import pretrain as run_pretrain
+    from peradapt.backbones import default_weights_path, pinned_weights_path
 
-    config = PretrainConfig(
+    replaced = (out or default_weights_path(data, backbone)).is_file()
+    path, accuracy = api.pretrain(
         data=data,
         backbone=backbone,
         epochs=epochs,
         batch_size=batch_size,
         lr=lr,
         limit_samples=limit_samples,
-        data_dir=str(data_dir) if data_dir else None,
+        data_dir=data_dir,
         download=download,
-        out=str(out) if out else None,
+        out=out,
         seed=seed,
         device=device,
+        console=err_console,
     )
-    from peradapt.backbones import default_weights_path, pinned_weights_path
-
-    replaced = (out or default_weights_path(data, backbone)).is_file()
-    path, accuracy = run_pretrain(config, err_console)
     out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)")
     if replaced:  # runs record their backbone's fingerprint and keep a copy: they do not move to the new weights
         out_console.print(
@@ -95,7 +93,13 @@ def pretrain(
 @app.command()
 def train(
     data: Annotated[
-        str | None, Opt(help=f"Dataset: fmnist, cifar10, cifar100, office-home, chexpert. {_default('data')}")
+        str | None,
+        Opt(
+            help="Dataset: fmnist, cifar10, cifar100, svhn, stl10, office-home, chexpert, imagefolder:PATH "
+            "(PATH/<class>/<images>, or PATH/train/ and PATH/test/ of class folders) or hf:NAME_OR_PATH[:CONFIG] "
+            "(a Hugging Face dataset: save_to_disk directory, parquet, or a Hub name; needs peradapt[hf-data]). "
+            f"Image files are decoded once and cached in $PERADAPT_HOME/cache. {_default('data')}"
+        ),
     ] = None,
     clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
     method: Annotated[str | None, Opt(help=f"{' | '.join(METHODS)}. {_default('method')}")] = None,
@@ -275,8 +279,10 @@ def train(
     kd_data: Annotated[
         str | None,
         Opt(
-            help="Unlabeled distillation data: auto (the dataset's own split, or the paper's choice: cifar100 for "
-            "cifar10, cifar10 for the others), digits, fmnist, cifar10, cifar100."
+            help="Unlabeled distillation data: auto (the dataset's own split, STL-10's unlabeled split for stl10, "
+            "or the paper's choice: cifar100 for cifar10, cifar10 for the others), digits, fmnist, cifar10, "
+            "cifar100, svhn, stl10 (its 100,000 unlabeled images), imagefolder:PATH or hf:NAME (their images, "
+            "labels ignored)."
         ),
     ] = None,
     kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
@@ -420,7 +426,23 @@ def train(
     ] = None,
     seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
     device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
+    log: Annotated[
+        list[str] | None,
+        Opt(
+            help="Experiment tracking, repeatable or comma-separated: tensorboard (RUN/tensorboard), wandb, mlflow "
+            "(each an extra: pip install 'peradapt\\[tensorboard]', 'peradapt\\[wandb]', 'peradapt\\[mlflow]'), "
+            "or none; may change on --resume \\[default: none].",
+            metavar="TRACKER",
+        ),
+    ] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
+    image_column: Annotated[
+        str | None, Opt(help="--data hf:NAME: the column of images \\[default: its Image feature].", metavar="NAME")
+    ] = None,
+    label_column: Annotated[
+        str | None,
+        Opt(help="--data hf:NAME: the column of labels \\[default: its ClassLabel, or label, ...].", metavar="NAME"),
+    ] = None,
     download: Annotated[bool | None, Opt("--download", help="Download missing datasets (needs a network).")] = None,
     out: Annotated[Path | None, Opt(help="Run directory \\[default: runs/DATA-METHOD-seedSEED].")] = None,
     resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
@@ -434,23 +456,10 @@ def train(
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    from peradapt.federation.engine import resume_config
-    from peradapt.federation.engine import train as run_train
-
-    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "preset", "run_train", "resume_config")}
-    overrides = {k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
-    if resume:
-        if "out" not in overrides:
-            raise ConfigError("--resume needs --out: the run directory to continue")
-        if preset or config:
-            raise ConfigError("--resume continues with the run's saved settings: drop --preset and --config")
-        train_config = resume_config(Path(overrides["out"]), overrides)
-    else:
-        values: dict[str, Any] = preset_settings(preset) if preset else {}
-        values.update(read_config_file(config) if config else {})
-        values.update(overrides)
-        train_config = TrainConfig.from_flat(values)
-    report = run_train(train_config, resume=resume, console=err_console)
+    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "preset")}
+    settings = {k: v for k, v in flags.items() if v is not None}
+    train_config = api.training_config(resume=resume, preset=preset, config_file=config, **settings)
+    report = api.train(train_config, resume=resume, console=err_console)
     from peradapt.evaluation import results_table
 
     title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
@@ -475,8 +484,7 @@ def compare(
 
     Any `peradapt train` flag (--data, --clients, --rounds, --limit-samples, ...) after these applies to every run.
     """
-    from peradapt.compare import compare as run_compare
-    from peradapt.compare import rich_table
+    from peradapt.comparison import rich_table
 
     train_command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     try:
@@ -486,10 +494,9 @@ def compare(
     if flags.pop("resume") or flags.get("config"):
         raise ConfigError("compare takes --config itself and cannot --resume: re-run it to finish missing runs")
     flags.pop("config")
-    settings: dict[str, Any] = read_config_file(config) if config else {}
-    settings.update({k: str(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None})
+    settings = {k: v for k, v in flags.items() if v is not None}
     names = [name.strip() for name in methods.split(",") if name.strip()]
-    rows = run_compare(settings, names, list(range(seeds)), out, err_console)
+    rows = api.compare(names, seeds=seeds, out=out, config_file=config, console=err_console, **settings)
     # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
     console = out_console if out_console.is_terminal else text_console(width=160)
     console.print(rich_table(rows, seeds))
@@ -504,26 +511,25 @@ def evaluate(
         Opt(
             help="Instead: accuracy on an out-of-distribution set: fmnist-c (corruptions generated from the test "
             "set), cifar10-c[:PATH] (the published files; generated with imagecorruptions when absent), "
-            "cifar10.1[:PATH] or imagefolder:PATH (PATH/<class index or name>/<images>). Generated sets are cached "
-            "under $PERADAPT_HOME/ood."
+            "cifar10.1[:PATH], svhn[:PATH] or stl10[:PATH] (their test images), imagefolder:PATH (PATH/<class "
+            "index or name>/<images>) or hf:NAME_OR_PATH[:CONFIG] (a Hugging Face dataset's test split); named "
+            "classes are matched to the run's. Generated sets are cached under $PERADAPT_HOME/ood."
         ),
     ] = None,
     ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
 ) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
     from peradapt.evaluation import results_table, summarize
-    from peradapt.runs import evaluate_ood_run, evaluate_run, ood_report_name, ood_table
+    from peradapt.runs import ood_report_name, ood_table
 
     if ood is not None:
-        result = evaluate_ood_run(run, ood, limit=ood_limit, console=err_console)
+        result = api.evaluate(run, ood=ood, ood_limit=ood_limit, console=err_console)
         console = out_console if out_console.is_terminal else text_console(width=120)
         console.print(ood_table(result, f"{ood} on {run}, {len(result['clients'])} clients"))
         out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return
-    if ood_limit is not None:
-        raise ConfigError("--ood-limit needs --ood NAME")
-    evaluation = evaluate_run(run)
+    evaluation = api.evaluate(run, ood_limit=ood_limit)
     out_console.print(results_table(summarize(evaluation), f"evaluation of {run}", evaluation["metric"]))
     out_console.print(f"written to {run / 'eval.json'}")
 
@@ -532,22 +538,36 @@ def evaluate(
 def export(
     run: RunDir,
     out: Annotated[Path, Opt(help="Directory to write the adapters and backbone to.", show_default=False)],
+    push_to_hub: Annotated[
+        str | None,
+        Opt(
+            help="Also upload the export to this Hugging Face model repository (OWNER/NAME, created if new): the "
+            "backbone, the global adapter, the --clients' adapters and their model cards. It replaces the adapters "
+            "an earlier push put there. Needs a token: `hf auth login` or HF_TOKEN.",
+            show_default=False,
+        ),
+    ] = None,
+    clients: Annotated[
+        str | None,
+        Opt(help="With --push-to-hub: the clients whose adapters go up, as ids (0,3,5) or all.", show_default=False),
+    ] = None,
+    private: Annotated[bool, Opt("--private", help="With --push-to-hub: create the repository private.")] = False,
 ) -> None:
-    """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone."""
-    from peradapt.runs import export_run
-
-    path = export_run(run, out)
-    out_console.print(f"adapters and backbone written to {path}")
-    if (path / "backbone").is_dir():  # a transformers backbone, exported as a model directory
-        load = f"backbone = AutoModelForImageClassification.from_pretrained('{path}/backbone')"
+    """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone, and a model card
+    (README.md) for each that says how to load it."""
+    if push_to_hub is None and (clients is not None or private):
+        raise ConfigError("--clients and --private choose what --push-to-hub uploads: add --push-to-hub OWNER/NAME")
+    if push_to_hub is None:
+        path, url = api.export(run, out), None
     else:
-        load = (
-            "backbone = timm.create_model(...); backbone.load_state_dict(safetensors.torch.load_file("
-            f"'{path}/backbone.safetensors'))"
+        path, url = (
+            out,
+            api.push_to_hub(run, out, push_to_hub, clients="all" if clients is None else clients, private=private),
         )
-    out_console.print(
-        f"load one with: {load}; import peradapt; peft.PeftModel.from_pretrained(backbone, '{path}/clients/0')"
-    )
+    out_console.print(f"adapters, backbone and model cards written to {path}", soft_wrap=True)
+    out_console.print(f"how to load them: {path / 'README.md'} and each adapter's README.md", soft_wrap=True)
+    if url is not None:
+        out_console.print(f"uploaded to {url}", soft_wrap=True)
 
 
 @app.command()
@@ -557,7 +577,8 @@ def personalize(
         str,
         Opt(
             help="Id of a client the run held out with --holdout-clients, or a directory of the new client's images: "
-            "DIR/<class>/<images> (a quarter kept for its test) or DIR/train/<class>/ and DIR/test/<class>/.",
+            "DIR/<class>/<images> (a quarter kept for its test) or DIR/train/<class>/ and DIR/test/<class>/ (also "
+            "as imagefolder:DIR), or hf:NAME_OR_PATH[:CONFIG] (a Hugging Face dataset).",
             show_default=False,
         ),
     ],
@@ -567,9 +588,8 @@ def personalize(
     Prints its local-test accuracy with the global model and with its personalized model; writes the model and
     result.json under RUN/new_clients/<name>/."""
     from peradapt.evaluation.report import METRIC_LABELS
-    from peradapt.newclients import personalize_new_client
 
-    result = personalize_new_client(run, new_client)
+    result = api.personalize_new_client(run, new_client)
     before, after = result["before"]["local_test"], result["after"]["local_test"]
     out_console.print(
         f"new client {result['client']} ({result['method']}): local-test {METRIC_LABELS[result['metric']]} "
@@ -681,9 +701,7 @@ def report(
     ] = None,
 ) -> None:
     """Plots (accuracy per round, per client) and a Markdown/JSON table comparing finished runs."""
-    from peradapt.reports import build_report
-
-    for path in build_report(runs, out):
+    for path in api.report(runs, out):
         out_console.print(f"written {path}")
 
 

@@ -7,7 +7,6 @@ the same flat keys (`clients`, `lam`, `kd_steps`, ...) while library code reads 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -46,6 +45,8 @@ class DataConfig:
     augment: str = "auto"
     channels: int | None = None  # None: the dataset's own (1 for fmnist/chexpert); 3: grey repeated as RGB
     resize: str = "squeeze"  # images decoded from files: squeeze (whole image to a square) or center-crop
+    image_column: str | None = None  # --data hf:NAME: the column of images (None: its Image feature)
+    label_column: str | None = None  # --data hf:NAME: the column of labels (None: its ClassLabel, or label, ...)
 
 
 @dataclass
@@ -196,6 +197,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     out: str | None = None
+    log: str | None = None  # experiment trackers, comma-separated (peradapt.tracking); never changes results
 
     def to_flat(self) -> dict[str, Any]:
         flat: dict[str, Any] = {}
@@ -372,6 +374,12 @@ class TrainConfig:
                 raise ConfigError(f"unknown --{name.replace('_', '-')} '{value}': use {', '.join(allowed)}")
         if self.data.channels not in (None, 1, 3):
             raise ConfigError(f"--channels must be 1 or 3, got {self.data.channels}")
+        for name, column in (("image_column", self.data.image_column), ("label_column", self.data.label_column)):
+            if column is not None and (not column or not self.data.data.startswith("hf:")):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {column!r}: give a column name of the --data hf:NAME dataset "
+                    f"(--data is {self.data.data})"
+                )
         for name, size in (("image_size", self.data.image_size), ("kd_image_size", distill.kd_image_size)):
             if size is not None and not 1 <= size <= MAX_IMAGE_SIZE:
                 raise ConfigError(
@@ -393,32 +401,24 @@ class TrainConfig:
         self.privacy.validate(lam_auto=method.lam_auto)
         if self.out is not None:
             check_output_path(Path(self.out), "--out", directory=True)
-        self._check_input_sizes()
+        tracker_names(self.log)  # unknown names refused (installed packages: when a run opens, `check_installed`)
 
-    def _check_input_sizes(self) -> None:
-        """A backbone made for one resolution (a ViT) takes --image-size px of at least one patch, and distills at
-        its input size. (ResNets take any size.)"""
-        image_size, kd_image_size = self.data.image_size, self.distill.kd_image_size
-        if image_size is None and kd_image_size is None:
-            return
-        from peradapt.backbones import fixed_image_size  # deferred: timm is slow to import
 
-        name = self.backbone.backbone
-        native = fixed_image_size(name)
-        if native is None:
-            return
-        size = image_size or native
-        patch = _patch_size(name)
-        if patch is not None and size < patch:
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # --log: experiment trackers (peradapt.tracking), each an extra
+
+
+def tracker_names(log: str | None) -> list[str]:
+    """`--log` as tracker names, each once and in order: comma-separated, `none` for no tracker."""
+    names: list[str] = []
+    for name in (part.strip().lower() for part in (log or "").split(",")):
+        if name in ("", "none") or name in names:
+            continue
+        if name not in TRACKERS:
             raise ConfigError(
-                f"--image-size {size} is smaller than one {patch} px patch of {name}: give at least {patch} "
-                f"(it was made for {native} px)"
+                f"unknown --log '{name}': use {', '.join(TRACKERS)} (repeated or comma-separated), or none"
             )
-        if kd_image_size is not None and kd_image_size != size:
-            raise ConfigError(
-                f"--kd-image-size {kd_image_size}: {name} takes images of its input size only ({size} px), "
-                f"distillation images too: drop --kd-image-size or pass {size}"
-            )
+        names.append(name)
+    return names
 
 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
@@ -434,7 +434,7 @@ KD_NORMALIZATIONS = ("model", "own")
 CLIENT_STORES = ("auto", "memory", "disk")
 ENGINES = ("builtin", "flower")
 _SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
-_TOP_LEVEL = ("seed", "device", "out")
+_TOP_LEVEL = ("seed", "device", "out", "log")
 _SAVED_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")  # in every run's config.json
 _SECTION_CLASSES = {
     "data": DataConfig,
@@ -484,29 +484,14 @@ def check_output_path(path: Path, flag: str, *, directory: bool) -> None:
         raise ConfigError(f"{flag} {path} is under {parent}, which is a file: give a path in a directory")
 
 
-@functools.lru_cache(maxsize=8)
-def _patch_size(backbone: str) -> int | None:
-    """The patch size of a timm backbone with a patch embedding (ViTs), from a model made on no device; None for
-    others and for transformers models (whose --image-size must be their own)."""
-    import timm  # deferred, as in `_check_input_sizes`
-    import torch
-
-    from peradapt.hf import is_hf
-
-    if is_hf(backbone):
-        return None
-    with torch.device("meta"):
-        model = timm.create_model(backbone, pretrained=False)
-    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
-    return max(patch) if isinstance(patch, tuple) else patch
-
-
 def _coerce(key: str, value: Any, type_name: str) -> Any:
     """Turn a value read from YAML/JSON into the field's type, with a message naming the key on failure."""
     if value is None:
         if "None" not in type_name:
             raise ConfigError(f"setting '{key}' may not be empty")
         return None
+    if key == "log" and isinstance(value, (list, tuple)):  # `--log a --log b`, or a list in a config file
+        value = ",".join(map(str, value))
     base = type_name.replace(" | None", "")
     try:
         if base == "bool":

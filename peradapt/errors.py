@@ -25,5 +25,9 @@ class TrainingDiverged(PeradaptError):
     """A loss became NaN or infinite."""
 
 
+class HubError(PeradaptError):
+    """The Hugging Face Hub refused an upload (`export --push-to-hub`) or could not be reached."""
+
+
 class Interrupted(Exception):
     """Ctrl-C stopped a command; the message says what was kept and how to continue. The CLI exits with 130."""

@@ -1,7 +1,9 @@
 """New clients: personalize a client that never took part in training, from a finished run's global model.
 
 A new client is either a client that `peradapt train --holdout-clients K` kept out of the federation (the last K
-ids; their data split is in partition.json) or a directory of the new client's own images. `personalize_new_client`
+ids; their data split is in partition.json) or the new client's own images: a directory (or ``imagefolder:PATH``)
+of class folders, or a Hugging Face dataset (``hf:NAME_OR_PATH[:CONFIG]``, read as `peradapt.data.hfdata` reads
+``--data hf:...``, its classes matched to the run's by name). `personalize_new_client`
 trains its personalized model from the exported global model with the run's own method
 (`Method.personalize_new_client`), measures its local-test accuracy with the global model before and with the
 personalized model after, and exports it under `new_clients/<name>/` in the same layout as `clients/<id>/`, with
@@ -15,8 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from peradapt.data import ClientData
-from peradapt.data.ood import load_imagefolder
+from peradapt.data import ClientData, ImageSet
+from peradapt.data.folders import PREFIX as IMAGEFOLDER_PREFIX
+from peradapt.data.hfdata import PREFIX as HF_PREFIX
+from peradapt.data.hfdata import load_hf
+from peradapt.data.ood import OodTarget, load_imagefolder, relabel
 from peradapt.errors import DataError, RunError
 from peradapt.evaluation import metric_name
 from peradapt.federation.checkpoint import write_json_atomic
@@ -82,17 +87,22 @@ def _new_client(session: Session, spec: str, run_dir: Path) -> tuple[str, Client
                 f"clients ({known}) or a directory of images"
             )
         return spec, session.data.clients[client_id]
-    path = Path(spec).expanduser()
-    if not path.is_dir():
+    hub = spec.startswith(HF_PREFIX)
+    path = Path(spec.removeprefix(IMAGEFOLDER_PREFIX)).expanduser()
+    if not hub and not path.is_dir():
         raise RunError(
             f"--new-client {spec!r} is neither a held-out client id of this run nor a directory of images "
-            "(DIR/<class>/<images>, or DIR/train/<class>/ and DIR/test/<class>/)"
+            "(DIR/<class>/<images>, or DIR/train/<class>/ and DIR/test/<class>/; also as imagefolder:DIR) nor "
+            "hf:NAME_OR_PATH"
         )
     if session.data.global_test.multilabel:
         raise RunError(
             f"{run_dir} is a multi-label run ({session.config.data.data}): image folders give one class per image, "
             "so a new client must be a held-out client id (train with --holdout-clients K)"
         )
+    if hub:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", spec).strip("_")
+        return name, _dataset_client(session, spec)
     return re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name), _directory_client(session, path)
 
 
@@ -102,11 +112,44 @@ def _directory_client(session: Session, path: Path) -> ClientData:
     if (path / "train").is_dir() and (path / "test").is_dir():
         train, test = (load_imagefolder(path / split, target) for split in ("train", "test"))
     else:
-        images = load_imagefolder(path, target)
-        if len(images) < 2:
-            raise DataError(f"{path} holds {len(images)} image: a new client needs at least 2 (train and test)")
-        order = np.random.default_rng([session.config.seed, NEW_CLIENT]).permutation(len(images))
-        test_size = max(1, round(TEST_SHARE * len(images)))
-        test, train = images.subset(np.sort(order[:test_size])), images.subset(np.sort(order[test_size:]))
+        train, test = _split_off_test(session, load_imagefolder(path, target), path)
     empty = np.empty(0, dtype=np.int64)  # its images are not in the run's data
     return ClientData(len(session.data.clients), train, test, empty, empty)
+
+
+def _split_off_test(session: Session, images: ImageSet, where: object) -> tuple[ImageSet, ImageSet]:
+    """A seeded TEST_SHARE of ``images`` for the new client's test, the rest for its training."""
+    if len(images) < 2:
+        raise DataError(f"{where} holds {len(images)} image: a new client needs at least 2 (train and test)")
+    order = np.random.default_rng([session.config.seed, NEW_CLIENT]).permutation(len(images))
+    test_size = max(1, round(TEST_SHARE * len(images)))
+    return images.subset(np.sort(order[test_size:])), images.subset(np.sort(order[:test_size]))
+
+
+def _dataset_client(session: Session, spec: str) -> ClientData:
+    """The Hugging Face dataset ``spec`` as a client: its train and test splits (else a seeded split of its
+    training split), at the run's image size and channels, its classes matched to the run's by name."""
+    target = image_target(session)
+    data = session.config.data
+    source = load_hf(
+        spec,
+        target.image_size,
+        target.image_size,
+        channels=target.channels,
+        resize=data.resize,
+        image_col=data.image_column,
+        label_col=data.label_column,
+        hints=True,
+    )
+    train = _in_run_classes(source.train, source.classes, target, spec)
+    if source.test is None:
+        train, test = _split_off_test(session, train, spec)
+    else:
+        test = _in_run_classes(source.test, source.classes, target, spec)
+    empty = np.empty(0, dtype=np.int64)  # its images are not in the run's data
+    return ClientData(len(session.data.clients), train, test, empty, empty)
+
+
+def _in_run_classes(images: ImageSet, classes: tuple[str, ...], target: OodTarget, spec: str) -> ImageSet:
+    relabeled, _ = relabel(images, classes, target, spec, strict=True)
+    return relabeled

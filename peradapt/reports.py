@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peradapt.compare import ACCURACIES
+from peradapt.comparison import ACCURACIES
 from peradapt.errors import RunError
 from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic

@@ -19,13 +19,14 @@ from safetensors.torch import save_file
 from peradapt.adapters import AdapterState
 from peradapt.adapters.model import ADAPTER_CONFIG_FILE
 from peradapt.backbones import BackboneInfo, save_backbone
+from peradapt.cards import CARD_FILE, HubTarget, RunCards, write_cards
 from peradapt.config import check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.rundir import reads_run
-from peradapt.federation.session import RunPaths, Session, open_session
+from peradapt.federation.session import RunPaths, Session, open_session, read_report, read_run_config
 from peradapt.hf import is_hf
 from peradapt.progress import progress_display, text_console
 
@@ -135,6 +136,9 @@ def image_target(session: Session) -> OodTarget:
         image_size=session.data.image_size,
         channels=session.data.channels,
         data_dir=None if data_dir is None else Path(data_dir),
+        classes=session.data.classes,
+        image_column=session.config.data.image_column,
+        label_column=session.config.data.label_column,
     )
 
 
@@ -148,8 +152,8 @@ def evaluate_ood_run(
     images come from, then per (corruption, severity), per corruption averaged over severities, and overall, each
     with the clients' accuracies, their mean and std, and the global adapter's accuracy.
     """
-    from peradapt.backbones import peradapt_home
     from peradapt.data.ood import load_ood
+    from peradapt.home import peradapt_home
 
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
@@ -243,12 +247,13 @@ def ood_table(result: dict, title: str) -> Table:
 
 # What `export_run` writes into its directory. A directory of these alone (clients/ and global/ among them) holds an
 # earlier export, which a new one replaces; a directory with anything else in it is never written to.
-_EXPORT_ENTRIES = frozenset({"clients", "global", "backbone.safetensors", "backbone.json", "backbone"})
+_EXPORT_ENTRIES = frozenset({"clients", "global", "backbone.safetensors", "backbone.json", "backbone", CARD_FILE})
 
 
 @reads_run
-def export_run(run_dir: Path, out: Path) -> Path:
-    """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT.
+def export_run(run_dir: Path, out: Path, *, hub: HubTarget | None = None) -> Path:
+    """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT, and
+    a model card (README.md) for each and for the federation (`hub`: the upload they will describe, if any).
 
     The export is written into a new directory beside `out`, then moved into place: it replaces an earlier export
     at `out` as a whole (no client of an earlier, larger run is left), and a failed export leaves `out` as it was.
@@ -264,6 +269,9 @@ def export_run(run_dir: Path, out: Path) -> Path:
     try:
         staging.mkdir()
         _write_export(session, paths, staging)
+        report = read_report(run_dir)
+        assert report is not None  # ExportedAdapters.open refuses a run without one
+        write_cards(staging, RunCards(session.config, read_run_config(run_dir)[1], report, hub))
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import peradapt.compare as compare_module
+import peradapt.comparison as compare_module
 
 from .test_cli import run_cli, tiny_args
 

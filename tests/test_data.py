@@ -250,9 +250,9 @@ def test_missing_fmnist_says_where_it_looked_and_how_to_get_it(tmp_path: Path) -
 
 
 def test_unknown_source_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="fmnist, cifar10, cifar100, digits, office-home, chexpert"):
+    with pytest.raises(ConfigError, match="fmnist, cifar10, cifar100, digits, svhn, stl10, office-home, chexpert"):
         load_source("mnist", None)
-    assert SOURCE_NAMES == ("fmnist", "cifar10", "cifar100", "digits", "office-home", "chexpert")
+    assert SOURCE_NAMES == ("fmnist", "cifar10", "cifar100", "digits", "svhn", "stl10", "office-home", "chexpert")
 
 
 # ---------------------------------------------------------------- CIFAR on-disk layout

@@ -26,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 import peradapt.federation.engine as engine
+import peradapt.training as training
 from peradapt.cli import main
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
@@ -337,7 +338,7 @@ def test_a_failing_simulation_runtime_is_one_clear_error(tmp_path, fmnist_dir, m
     values = settings(fmnist_dir, tmp_path / "run", engine="flower")
     failed = r"Flower's simulation failed \(RuntimeError: Unable to start Ray.*--engine builtin"
     with pytest.raises(RunError, match=failed) as error:
-        engine.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
+        training.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
     assert "\n" not in str(error.value)  # the CLI prints it as one line
 
 

@@ -138,7 +138,7 @@ def test_imagefolder_with_numeric_and_named_classes(tmp_path):
     with pytest.raises(DataError, match="not a directory"):
         load_ood(f"imagefolder:{tmp_path / 'missing'}", OodTarget("fmnist", 10, 28, 1))
     with pytest.raises(ConfigError, match="unknown OOD set"):
-        load_ood("svhn", OodTarget("fmnist", 10, 28, 1))
+        load_ood("mnist-m", OodTarget("fmnist", 10, 28, 1))
 
 
 def test_eval_ood_cli_writes_per_corruption_results(home, fmnist_dir, tmp_path, capsys, monkeypatch):

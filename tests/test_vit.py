@@ -192,7 +192,8 @@ def test_hf_run_exports_a_model_directory_that_plain_peft_loads(hf_dir, fmnist_d
     assert (resolved["adapter"], resolved["image_size"], resolved["weights"]) == ("lora", 32, str(hf_dir))
     code, stdout, err = run_cli(["export", "--run", str(run), "--out", str(tmp_path / "x")], capsys, monkeypatch)
     assert code == 0, err
-    assert "AutoModelForImageClassification" in stdout
+    assert "README.md" in stdout  # the cards say how to load: a transformers backbone with its own class
+    assert "AutoModelForImageClassification" in (tmp_path / "x" / "README.md").read_text()
 
     backbone = AutoModelForImageClassification.from_pretrained(str(tmp_path / "x" / "backbone"))
     plain = PeftModel.from_pretrained(backbone, str(tmp_path / "x" / "clients" / "1")).eval()

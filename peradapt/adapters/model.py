@@ -33,6 +33,7 @@ SCOPES = ("adapter", "full")
 FULL_MODEL_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+PEFT_CARD_FILE = "README.md"  # PEFT's empty model-card template, left out of saved adapters
 # The entries of adapter_config.json that say which adapter it is: another value is an adapter of another model.
 _DESCRIBING_KEYS = ("peft_type", "init_lora_weights", "r", "lora_alpha", "target_modules", "modules_to_save")
 # `--frozen-bn train`: the frozen BatchNorms' running statistics, which PEFT does not save, beside the adapter.
@@ -202,8 +203,9 @@ class AdaptedModel:
         return FULL_MODEL_FILE if self.scope == "full" else ADAPTER_WEIGHTS_FILE
 
     def save_pretrained(self, directory: Path, state: AdapterState) -> None:
-        """PEFT layout: adapter_config.json + adapter_model.safetensors (+ PEFT's README.md), loadable with
-        PeftModel.from_pretrained: the files PEFT's own `save_pretrained` writes with `state` loaded, byte for byte.
+        """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained: the
+        files PEFT's own `save_pretrained` writes with `state` loaded, byte for byte, but for its empty model-card
+        template (README.md), the same for every adapter: `export` writes each a filled card (`peradapt.cards`).
 
         A whole trained network (scope `full`) is no adapter: it is saved as one safetensors file of the state.
         An adapter's state is left loaded in the model, as when PEFT saved it from there.
@@ -239,10 +241,11 @@ class AdaptedModel:
 
     @functools.cached_property
     def _layout_files(self) -> dict[str, bytes]:
-        """The files PEFT's save_pretrained writes besides the weights (adapter_config.json, README.md)."""
+        """The files PEFT's save_pretrained writes besides the weights and its model-card template: the config."""
         with tempfile.TemporaryDirectory() as scratch:
             self.module.save_pretrained(scratch)
-            files = {p.name: p.read_bytes() for p in Path(scratch).iterdir() if p.name != ADAPTER_WEIGHTS_FILE}
+            skipped = (ADAPTER_WEIGHTS_FILE, PEFT_CARD_FILE)
+            files = {p.name: p.read_bytes() for p in Path(scratch).iterdir() if p.name not in skipped}
         # PEFT writes target_modules from a set, in an order that changes with Python's hash seed; sorted, the
         # same adapter always gives the same bytes (resumed and uninterrupted runs compare equal file by file).
         config = json.loads(files[ADAPTER_CONFIG_FILE])

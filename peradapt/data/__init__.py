@@ -19,10 +19,11 @@ from peradapt.data.partition import (
     partition_labels,
     split_test_like_train,
 )
-from peradapt.data.sources import SOURCE_NAMES, load_source, read_idx
+from peradapt.data.sources import SOURCE_NAMES, SOURCE_PATTERNS, load_source, load_unlabeled, read_idx
 
 __all__ = [
     "SOURCE_NAMES",
+    "SOURCE_PATTERNS",
     "SPLIT_SEED",
     "ClientData",
     "FederatedData",
@@ -38,6 +39,7 @@ __all__ = [
     "iterate_minibatches",
     "label_histograms",
     "load_source",
+    "load_unlabeled",
     "parse_partition",
     "partition_labels",
     "pretraining_split",

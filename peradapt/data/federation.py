@@ -22,7 +22,14 @@ from peradapt.data.partition import (
     split_off_test,
     split_test_like_train,
 )
-from peradapt.data.sources import SOURCE_NAMES, load_source
+from peradapt.data.sources import (
+    SOURCE_NAMES,
+    SOURCE_PATTERNS,
+    is_source_name,
+    load_source,
+    load_unlabeled,
+    source_kind,
+)
 from peradapt.errors import ConfigError, DataError
 
 # Fixed, and independent of --seed: `pretrain` and every `train --seed S` must agree on which training
@@ -33,16 +40,31 @@ SPLIT_SEED = 20_240_611
 # carves the test images of a source without a test set of its own.
 # Fashion-MNIST: 20k pretrain / 5k server validation / 10k unlabeled KD / 25k pool of its 60k;
 # CIFAR: the paper's 9:1 pool/validation split. Office-Home and CheXpert: the proportions of PerAda's Table 6
-# (test 1656 and validation 1391 of 15,588; validation 22,342 and test 20,099 of 223,414).
+# (test 1656 and validation 1391 of 15,588; validation 22,342 and test 20,099 of 223,414). SVHN: CIFAR's 9:1, and
+# an unlabeled KD split of its own as Fashion-MNIST's (no paper distills SVHN models); STL-10: 9:1, distilling on
+# its own unlabeled split (`_UNLABELED_SPLIT`).
 _SPLIT_SHARES: dict[str, dict[str, Fraction]] = {
     "fmnist": {"pretrain": Fraction(1, 3), "val": Fraction(1, 12), "kd": Fraction(1, 6)},
     "cifar10": {"val": Fraction(1, 10)},
     "cifar100": {"val": Fraction(1, 10)},
     "office-home": {"val": Fraction(9, 100), "test": Fraction(1, 10)},
     "chexpert": {"val": Fraction(1, 10), "test": Fraction(9, 100)},
+    "svhn": {"val": Fraction(1, 10), "kd": Fraction(1, 10)},
+    "stl10": {"val": Fraction(1, 10)},
 }
+# imagefolder:PATH and hf:NAME, whatever they hold: 1/10 server validation, 1/10 unlabeled KD (so that PerAda runs on
+# the data alone), and 1/5 test carved only when the data has no test split of its own; no pretraining split.
+_GENERIC_SHARES = {"val": Fraction(1, 10), "kd": Fraction(1, 10), "test": Fraction(1, 5)}
 # The paper distills CIFAR-10 models on CIFAR-100, and the others (CIFAR-100, Office-Home, CheXpert) on CIFAR-10.
-_AUTO_KD_SOURCE = {"cifar10": "cifar100", "cifar100": "cifar10", "office-home": "cifar10", "chexpert": "cifar10"}
+_AUTO_KD_SOURCE = {
+    "cifar10": "cifar100",
+    "cifar100": "cifar10",
+    "office-home": "cifar10",
+    "chexpert": "cifar10",
+    "stl10": "stl10",
+}
+# Sources with an unlabeled split, which they distill on as --kd-data (`load_unlabeled`).
+_UNLABELED_SPLIT = ("stl10",)
 # What --partition domain gives out, one domain per client; known before loading, to check --clients early.
 _DOMAINS = {"office-home": OFFICE_HOME_DOMAINS}
 # Independent random streams under SPLIT_SEED, one per thing they choose.
@@ -86,6 +108,7 @@ class FederatedData:
     kd_std: tuple[float, ...]
     global_test: ImageSet  # union of all clients' test splits
     partition: dict[str, Any]  # JSON-ready record of the partition, as written to partition.json
+    classes: tuple[str, ...] = ()  # the class names, where the source knows them (OOD sets are matched to them)
 
 
 @dataclass(frozen=True)
@@ -145,9 +168,10 @@ class FixedSplits:
 
 
 def fixed_splits(dataset: str, num_train: int, num_test: int, *, limit_samples: int | None) -> FixedSplits:
-    """The split of ``dataset`` under SPLIT_SEED; ``limit_samples`` cuts every part to a random subset."""
+    """The split of ``dataset`` under SPLIT_SEED; ``limit_samples`` cuts every part to a random subset. A source's
+    "test" share carves its test images from the training images when it has none (``num_test`` 0)."""
     shares = _split_shares(dataset)
-    carved = "test" in shares
+    carved = "test" in shares and num_test == 0
     order = np.random.default_rng([SPLIT_SEED, _TRAIN_STREAM]).permutation(num_train)
     parts: dict[str, np.ndarray] = {}
     start = 0
@@ -200,12 +224,15 @@ def build_federation(
     saved_partition: dict[str, Any] | None = None,
     channels: int | None = None,
     resize: str = "squeeze",
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
     ``image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
     ``FederatedData.partition``) is reused instead of partitioning anew; so is a ``file:PATH`` partition's file:
-    peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`).
+    peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`). ``image_column`` and
+    ``label_column`` choose the columns of an ``hf:`` dataset (None: detected).
     """
     spec = parse_partition(partition)
     _check_limit(limit_samples)
@@ -216,7 +243,8 @@ def build_federation(
         _check_domain_clients(dataset, num_clients)
     given = _given_partition(spec, saved_partition, num_clients, limit_samples)  # checked before the slow loading
     layout = _FIXED_SPLIT if given is None else _layout(given.record)
-    source = load_source(dataset, data_dir, download, image_size, channels=channels, resize=resize)
+    columns = {"image_column": image_column, "label_column": label_column}
+    source = load_source(dataset, data_dir, download, image_size, channels=channels, resize=resize, **columns)
     image_size = image_size or source.train.images.shape[-1]
     splits = _source_splits(source, limit_samples)
     pool, test, pool_rows, test_rows = _client_sets(source, splits, layout)
@@ -271,6 +299,7 @@ def build_federation(
         kd_std=kd_std,
         global_test=test.subset(np.sort(np.concatenate(parts.test))),
         partition=record,
+        classes=source.classes,
     )
 
 
@@ -357,11 +386,14 @@ def _partition_groups(
 
 
 def _split_shares(dataset: str) -> dict[str, Fraction]:
+    if source_kind(dataset) != dataset:  # imagefolder:PATH, hf:NAME
+        return _GENERIC_SHARES
     shares = _SPLIT_SHARES.get(dataset)
     if shares is None:
+        federable = ", ".join((*_SPLIT_SHARES, *SOURCE_PATTERNS))
         if dataset in SOURCE_NAMES:
-            raise ConfigError(f"{dataset} cannot be federated (no test split); use one of {', '.join(_SPLIT_SHARES)}")
-        raise ConfigError(f"unknown dataset {dataset!r}: use one of {', '.join(_SPLIT_SHARES)}")
+            raise ConfigError(f"{dataset} cannot be federated (no test split); use one of {federable}")
+        raise ConfigError(f"unknown dataset {dataset!r}: use one of {federable}")
     return shares
 
 
@@ -380,15 +412,16 @@ def _head_sorted(indices: np.ndarray, limit: int | None) -> np.ndarray:
 
 
 def _kd_source_name(dataset: str, kd_data: str) -> str:
-    has_own_split = "kd" in _split_shares(dataset)
+    has_own_split = "kd" in _split_shares(dataset) or dataset in _UNLABELED_SPLIT
     if kd_data == "auto":
         return dataset if has_own_split else _AUTO_KD_SOURCE[dataset]
     if kd_data == dataset and not has_own_split:
         raise ConfigError(
             f"{dataset} has no unlabeled KD split: use --kd-data {_AUTO_KD_SOURCE[dataset]}, digits or auto"
         )
-    if kd_data not in SOURCE_NAMES:
-        raise ConfigError(f"unknown --kd-data {kd_data!r}: use auto or one of {', '.join(SOURCE_NAMES)}")
+    if not is_source_name(kd_data):
+        names = ", ".join((*SOURCE_NAMES, *SOURCE_PATTERNS))
+        raise ConfigError(f"unknown --kd-data {kd_data!r}: use auto or one of {names}")
     return kd_data
 
 
@@ -402,16 +435,19 @@ def _kd_images(
     limit_samples: int | None,
 ) -> tuple[ImageSet, tuple[float, ...], tuple[float, ...]]:
     """The unlabeled distillation images, stored for ``image_size`` with the clients' channels, and the mean and
-    std of their own source for those channels."""
-    if kd_source == source.name:
+    std of their own source for those channels: the source's own KD split, or another source's unlabeled data
+    (`load_unlabeled`: STL-10's unlabeled split, the training images of the others)."""
+    if kd_source == source.name and "kd" in _split_shares(source.name):
         kd_source_data, images = source, source.train.images[splits.kd]
     else:
         try:
-            kd_source_data = load_source(kd_source, data_dir, download)
+            # imagefolder:PATH and hf:NAME are decoded at the model's size; arrays are resized below.
+            size = image_size if source_kind(kd_source) != kd_source else None
+            kd_source_data = load_unlabeled(kd_source, data_dir, download, size)
         except DataError as err:  # the default distillation data of some datasets is another dataset
             raise DataError(f"--kd-data {kd_source}: {err}; or distill on other data, e.g. --kd-data digits") from err
         order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(kd_source_data.train))
-        images = kd_source_data.train.images[_head_sorted(order, limit_samples)]
+        images = kd_source_data.train.images[_head_sorted(order, limit_samples)].contiguous()
     channels = source.train.images.shape[1]
     kd = ImageSet(images=fit_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes)
     return kd, *channel_statistics(kd_source_data.mean, kd_source_data.std, channels)

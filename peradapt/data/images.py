@@ -83,7 +83,8 @@ class SourceData:
 
     Sources without a test set of their own (``test`` is ``None``) get one carved from ``train`` by the fixed
     split. ``categories`` replaces the labels where partitions need one label per image (multi-label data);
-    ``domains`` is what ``--partition domain`` gives out, one domain per client.
+    ``domains`` is what ``--partition domain`` gives out, one domain per client. ``classes`` names the class
+    indices (empty where unknown), which OOD sets and new clients' data are matched to.
     """
 
     name: str
@@ -93,6 +94,7 @@ class SourceData:
     std: tuple[float, ...]
     categories: Grouping | None = None
     domains: Grouping | None = None
+    classes: tuple[str, ...] = ()
 
     def fitted(self, size: int | None, channels: int | None = None) -> SourceData:
         """The same source with its images stored for a ``size`` px model (see `fit_images`; None: sizes kept) with

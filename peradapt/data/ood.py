@@ -11,6 +11,14 @@
   ``DATA_DIR/CIFAR-10.1/`` (or its ``datasets/`` folder, as the authors' repository has it) or ``DATA_DIR``.
 - ``imagefolder:PATH``: ``PATH/<class>/<image files>``, one sub-folder per class, named by the class index
   (``0``, ``1``, ...) or by the class name of the run's dataset (case and punctuation ignored).
+- ``svhn[:PATH]``, ``stl10[:PATH]``: their test images, in torchvision's layout in PATH or the run's data
+  directory (see `peradapt.data.svhn_stl10`).
+- ``hf:NAME_OR_PATH[:CONFIG]``: the test split of a Hugging Face dataset (its training split if it has none), as
+  `peradapt.data.hfdata` reads it; the run's --image-column and --label-column where the dataset has them.
+
+Sets with class names of their own (svhn, stl10, hf) are matched to the run's classes by name (case and
+punctuation ignored; CIFAR-10's automobile is STL-10's car); images of classes the run lacks are left out, and
+the provenance says which.
 
 Every part comes with the run's channels, stored for the run's image size (``fit_images``: arrays larger than the
 model's input resized, smaller ones scaled up batch by batch; image files resized to it).
@@ -29,30 +37,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peradapt.data.folders import IMAGE_SUFFIXES
+from peradapt.data.hfdata import load_hf_split
 from peradapt.data.images import ImageSet, fit_images, resize_images
-from peradapt.data.sources import load_source
+from peradapt.data.sources import FMNIST_CLASSES, load_source
 from peradapt.errors import ConfigError, DataError
 
-OOD_NAMES = ("fmnist-c", "cifar10-c", "cifar10.1", "imagefolder:PATH")
+OOD_NAMES = ("fmnist-c", "cifar10-c", "cifar10.1", "svhn[:PATH]", "stl10[:PATH]", "imagefolder:PATH", "hf:NAME")
 SEVERITIES = (1, 2, 3, 4, 5)
 # Bumped whenever a formula changes, so that stale cached sets are never served.
 _CACHE_VERSION = 1
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
-
-FMNIST_CLASSES = (
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-)
+_IMAGE_SUFFIXES = IMAGE_SUFFIXES
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CLASS_NAMES: dict[str, tuple[str, ...]] = {"fmnist": FMNIST_CLASSES, "cifar10": CIFAR10_CLASSES}
+# Names of one class in different datasets, after `_normalized`.
+_ALIASES = {"car": "automobile"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,9 @@ class OodTarget:
     image_size: int
     channels: int
     data_dir: Path | None = None
+    classes: tuple[str, ...] = ()  # the run's class names (empty: CLASS_NAMES of its dataset, else "0", "1", ...)
+    image_column: str | None = None  # the run's hf: columns, used for hf: sets that have them
+    label_column: str | None = None
 
 
 # ---------------------------------------------------------------- corruptions (Hendrycks & Dietterich)
@@ -259,7 +261,67 @@ def load_ood(
             raise ConfigError("imagefolder needs a directory: --ood imagefolder:PATH")
         data = load_imagefolder(path, target, limit=limit, seed=seed)
         return OodSet(name, f"images read from {path}", [OodPart("imagefolder", None, data)])
+    if kind in ("svhn", "stl10"):
+        return _torchvision_set(kind, path, target, limit, seed)
+    if kind == "hf":
+        columns = {"image_col": target.image_column, "label_col": target.label_column}
+        images, classes, split = load_hf_split(name, target.image_size, channels=target.channels, **columns)
+        data, left_out = relabel(images, classes, target, name)
+        data = data.subset(_subset_indices(len(data), limit, seed))
+        provenance = f"split {split} of {name}{left_out}"
+        return OodSet(name, provenance, [OodPart(split, None, _in_run_format(data.images, data.labels, target))])
     raise ConfigError(f"unknown OOD set {name!r}: use one of {', '.join(OOD_NAMES)}")
+
+
+def _torchvision_set(kind: str, path: Path | None, target: OodTarget, limit: int | None, seed: int) -> OodSet:
+    """The test images of svhn or stl10 (in PATH, else the run's data directory), in the run's classes."""
+    directory = path or target.data_dir
+    if directory is None:
+        raise DataError(f"{kind} needs its files: pass --ood {kind}:PATH, or train with --data-dir DIR holding them")
+    source = load_source(kind, directory)
+    assert source.test is not None
+    data, left_out = relabel(source.test, source.classes, target, kind)
+    data = data.subset(_subset_indices(len(data), limit, seed))
+    part = OodPart(kind, None, _in_run_format(data.images, data.labels, target))
+    return OodSet(kind, f"{kind} test images in {directory}{left_out}", [part])
+
+
+def run_classes(target: OodTarget) -> tuple[str, ...]:
+    """The names of the run's classes: its own, those of its dataset, or its class indices as names."""
+    return target.classes or CLASS_NAMES.get(target.dataset) or tuple(str(i) for i in range(target.num_classes))
+
+
+def class_map(classes: tuple[str, ...], target: OodTarget) -> list[int | None]:
+    """For each of a set's class names, the index of the run's class of that name (case and punctuation ignored,
+    `_ALIASES` applied), or None."""
+    run = [_ALIASES.get(_normalized(name), _normalized(name)) for name in run_classes(target)]
+    wanted = [_ALIASES.get(_normalized(name), _normalized(name)) for name in classes]
+    return [run.index(name) if name in run else None for name in wanted]
+
+
+def relabel(
+    data: ImageSet, classes: tuple[str, ...], target: OodTarget, name: str, *, strict: bool = False
+) -> tuple[ImageSet, str]:
+    """``data`` (labels indexing ``classes``) with the run's class indices, and a note naming the classes left out:
+    those the run lacks (``strict``: refused)."""
+    mapping = class_map(classes, target)
+    run = ", ".join(run_classes(target))
+    missing = [c for c, index in zip(classes, mapping, strict=True) if index is None]
+    if strict and missing:
+        raise DataError(f"{name}: class {missing[0]!r} is not a class of this run ({run})")
+    if all(index is None for index in mapping):
+        raise DataError(f"{name}: none of its classes ({', '.join(classes)}) is a class of this run ({run})")
+    assert data.labels is not None
+    lookup = torch.tensor([-1 if index is None else index for index in mapping], dtype=torch.int64)
+    labels = lookup[data.labels]
+    kept = torch.nonzero(labels >= 0).flatten()
+    relabeled = ImageSet(data.images[kept], labels[kept], target.num_classes)
+    note = (
+        f" (left out: {len(data) - len(kept)} images of {', '.join(missing)}, not classes of the run)"
+        if missing
+        else ""
+    )
+    return relabeled, note
 
 
 def _check_dataset(name: str, target: OodTarget, dataset: str) -> None:
@@ -547,9 +609,7 @@ def _class_index(folder: str, target: OodTarget) -> int | None:
     if folder.isdigit():
         index = int(folder)
         return index if index < target.num_classes else None
-    names = [_normalized(n) for n in CLASS_NAMES.get(target.dataset, ())]
-    wanted = _normalized(folder)
-    return names.index(wanted) if wanted in names else None
+    return class_map((folder,), target)[0]
 
 
 def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None, seed: int = 0) -> ImageSet:
@@ -558,7 +618,7 @@ def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None,
 
     if not path.is_dir():
         raise DataError(f"imagefolder: {path} is not a directory; it should hold one sub-folder of images per class")
-    known = CLASS_NAMES.get(target.dataset)
+    known = target.classes or CLASS_NAMES.get(target.dataset)
     naming = f"0..{target.num_classes - 1}" + (f" or a class name ({', '.join(known)})" if known else "")
     files: list[tuple[Path, int]] = []
     for folder in sorted(p for p in path.iterdir() if p.is_dir()):

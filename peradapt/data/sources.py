@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import re
 import struct
 import zlib
 from collections.abc import Callable
@@ -14,10 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from peradapt.data import folders, hfdata
 from peradapt.data.chexpert import load_chexpert
 from peradapt.data.decode import RESIZES
 from peradapt.data.images import ImageSet, SourceData
 from peradapt.data.officehome import load_office_home
+from peradapt.data.svhn_stl10 import load_stl10, load_stl10_unlabeled, load_svhn
 from peradapt.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -34,8 +37,24 @@ _FMNIST_FILES = {
 }
 _IDX_UBYTE = 0x08
 # Datasets decoded from image files come at this size unless --image-size says otherwise: the 224 px that
-# ImageNet-pretrained ResNets (the paper's backbones) were trained at.
+# ImageNet-pretrained ResNets (the paper's backbones) were trained at. (imagefolder:PATH and hf:NAME keep images'
+# own side when all are squares of one side up to this: a 32 px set stays 32 px.)
 DECODED_IMAGE_SIZE = 224
+# Sources named by a prefix and what follows it (see peradapt.data.folders and peradapt.data.hfdata).
+SOURCE_PATTERNS = ("imagefolder:PATH", "hf:NAME_OR_PATH[:CONFIG]")
+_PREFIXED = {"imagefolder": folders.PREFIX, "hf": hfdata.PREFIX}
+FMNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 
 def load_source(
@@ -46,11 +65,14 @@ def load_source(
     *,
     channels: int | None = None,
     resize: str = "squeeze",
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> SourceData:
-    """Load the source called ``name`` (one of ``SOURCE_NAMES``), its images stored for a model of ``image_size``
-    px if given: image files decoded at that size, arrays larger than it resized, smaller ones kept (see
-    `fit_images`). Without ``image_size``, arrays keep their native size and image files are decoded at
-    DECODED_IMAGE_SIZE.
+    """Load the source called ``name`` (one of ``SOURCE_NAMES``, or ``imagefolder:PATH`` or ``hf:NAME``: see
+    SOURCE_PATTERNS), its images stored for a model of ``image_size`` px if given: image files decoded at that
+    size, arrays larger than it resized, smaller ones kept (see `fit_images`). Without ``image_size``, arrays keep
+    their native size and image files are decoded at DECODED_IMAGE_SIZE (imagefolder and hf: see their modules).
+    ``image_column`` and ``label_column`` choose an ``hf:`` dataset's columns (None: detected).
 
     ``channels`` (None: the dataset's own) converts grey to RGB by repetition and RGB to grey by luma, with the
     normalization statistics to match (`channel_statistics`: ImageNet's per channel for decoded datasets, the
@@ -60,6 +82,14 @@ def load_source(
     """
     if resize not in RESIZES:
         raise ConfigError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
+    kind = source_kind(name)
+    if kind == "hf":
+        columns = {"image_col": image_column, "label_col": label_column}
+        return hfdata.load_hf(name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize, **columns)
+    if image_column is not None or label_column is not None:
+        raise ConfigError(f"--image-column and --label-column choose the columns of an hf: dataset, not of {name}")
+    if kind == "imagefolder":
+        return folders.load_image_folder(name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize)
     path = None if data_dir is None else Path(data_dir)
     if path is not None and name in _FROM_FILES:
         _check_data_dir(name, path, download=download and name in _LOADERS)
@@ -68,9 +98,52 @@ def load_source(
         return decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize)
     loader = _LOADERS.get(name)
     if loader is None:
-        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES)}")
+        raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES + SOURCE_PATTERNS)}")
     source = loader(path, download)
     return source if image_size is None and channels is None else source.fitted(image_size, channels)
+
+
+def load_unlabeled(
+    name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None
+) -> SourceData:
+    """The source ``name`` as unlabeled distillation data, in its ``train`` (labels may be None): STL-10's
+    unlabeled split; every image of ``imagefolder:PATH`` and the training split of ``hf:NAME`` without needing
+    labels (decoded at ``image_size`` if given); the training set of the others (see `load_source`)."""
+    kind = source_kind(name)
+    if kind == "imagefolder":
+        return folders.load_image_folder(
+            name, image_size, DECODED_IMAGE_SIZE, channels=None, resize="squeeze", labeled=False
+        )
+    if kind == "hf":
+        return hfdata.load_hf(name, image_size, DECODED_IMAGE_SIZE, channels=None, resize="squeeze", labeled=False)
+    if name == "stl10":
+        path = None if data_dir is None else Path(data_dir)
+        if path is not None:
+            _check_data_dir(name, path, download=download)
+        return load_stl10_unlabeled(path, download)
+    return load_source(name, data_dir, download)
+
+
+def source_kind(name: str) -> str:
+    """``imagefolder`` or ``hf`` for a source named by a prefix (imagefolder:PATH, hf:NAME), else ``name``."""
+    return next((kind for kind, prefix in _PREFIXED.items() if name.startswith(prefix)), name)
+
+
+def is_source_name(name: str) -> bool:
+    """Whether ``name`` names a source: one of SOURCE_NAMES, or a prefix of SOURCE_PATTERNS with what follows."""
+    return name in SOURCE_NAMES or source_kind(name) != name
+
+
+def dataset_label(name: str) -> str:
+    """Source ``name`` as a part of a file name: a built-in name as it is; ``imagefolder-<folder>`` for
+    imagefolder:PATH, ``hf-<name or folder>`` for hf:NAME."""
+    kind = source_kind(name)
+    if kind == name:
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    rest = name.removeprefix(_PREFIXED[kind]).rstrip("/")
+    if kind == "imagefolder" or Path(rest).expanduser().exists():
+        rest = Path(rest).expanduser().name
+    return f"{kind}-" + (re.sub(r"[^A-Za-z0-9._-]+", "_", rest).strip("_") or "data")
 
 
 def _check_data_dir(name: str, path: Path, *, download: bool) -> None:
@@ -142,7 +215,7 @@ def _load_fmnist(data_dir: Path | None, download: bool) -> SourceData:
         )
     train = _idx_image_set(files["train_images"], files["train_labels"])
     test = _idx_image_set(files["test_images"], files["test_labels"])
-    return SourceData(name="fmnist", train=train, test=test, mean=(0.2860,), std=(0.3530,))
+    return SourceData(name="fmnist", train=train, test=test, mean=(0.2860,), std=(0.3530,), classes=FMNIST_CLASSES)
 
 
 def _fmnist_search_dirs(data_dir: Path | None) -> list[Path]:
@@ -226,7 +299,8 @@ def _load_cifar(name: str, data_dir: Path | None, download: bool) -> SourceData:
             f"extract it and copy {kind.folder}/ into {data_dir}/"
         ) from err
     train, test = (_cifar_image_set(split, kind.num_classes) for split in splits)
-    return SourceData(name=name, train=train, test=test, mean=kind.mean, std=kind.std)
+    classes = tuple(getattr(splits[0], "classes", ()))
+    return SourceData(name=name, train=train, test=test, mean=kind.mean, std=kind.std, classes=classes)
 
 
 def _cifar_image_set(dataset: CIFAR10, num_classes: int) -> ImageSet:
@@ -252,6 +326,7 @@ def _load_digits(data_dir: Path | None, download: bool) -> SourceData:
         test=None,
         mean=(float(scaled.mean()),),
         std=(float(scaled.std()),),
+        classes=tuple(str(digit) for digit in range(10)),
     )
 
 
@@ -260,6 +335,8 @@ _LOADERS: dict[str, Callable[[Path | None, bool], SourceData]] = {
     "cifar10": functools.partial(_load_cifar, "cifar10"),
     "cifar100": functools.partial(_load_cifar, "cifar100"),
     "digits": _load_digits,
+    "svhn": load_svhn,
+    "stl10": load_stl10,
 }
 
 
@@ -273,4 +350,5 @@ _DECODED: dict[str, _Decoder] = {
     "chexpert": load_chexpert,
 }
 SOURCE_NAMES: tuple[str, ...] = (*_LOADERS, *_DECODED)
-_FROM_FILES = ("fmnist", "cifar10", "cifar100", *_DECODED)  # read from --data-dir (digits: sklearn's copy)
+# read from --data-dir (digits: sklearn's copy)
+_FROM_FILES = ("fmnist", "cifar10", "cifar100", "svhn", "stl10", *_DECODED)

@@ -34,6 +34,7 @@ from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
+from peradapt.data.sources import dataset_label
 from peradapt.errors import ConfigError, Interrupted, RunError
 from peradapt.evaluation import (
     SELECTED_ON_TEST,
@@ -58,15 +59,16 @@ from peradapt.federation.session import RunPaths, Session, build_session, open_s
 from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
 from peradapt.progress import progress_display, text_console
+from peradapt.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
 
-RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline")
+RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log")
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
 
 
 def default_run_dir(config: TrainConfig) -> Path:
-    return Path("runs") / f"{config.data.data}-{config.method.method}-seed{config.seed}"
+    return Path("runs") / f"{dataset_label(config.data.data)}-{config.method.method}-seed{config.seed}"
 
 
 def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
@@ -97,13 +99,12 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
 
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
-    """Run (or continue) a federation; returns the report also written to `report.json`."""
+    """Run (or continue) a federation on the builtin engine; returns the report also written to `report.json`.
+    (`peradapt.training.train` picks the engine the config names.)"""
+    if config.federation.engine != "builtin":
+        raise ConfigError(f"--engine {config.federation.engine}: train with peradapt.training.train")
     console = console or text_console(stderr=True)
     with opened_run(config, resume=resume, console=console) as run:
-        if config.federation.engine == "flower":
-            from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
-
-            return simulate(run, console)
         return run_federation(run, LocalClients(run.session), console)
 
 
@@ -115,6 +116,7 @@ class PreparedRun:
     paths: RunPaths
     global_state: AdapterState
     history: list[dict]
+    tracking: Tracking | None = None  # --log: the experiment trackers (peradapt.tracking)
 
 
 @contextmanager
@@ -125,6 +127,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
     interrupted before its first checkpoint leaves nothing behind; after it, a failure leaves the run as of its
     newest checkpoint, for `--resume`, and Ctrl-C becomes `Interrupted`, which says how to resume.
     """
+    check_installed(config.log)  # --log: each tracker's package, before anything is built or written
     run_dir = Path(config.out) if config.out else default_run_dir(config)
     config.out = str(run_dir)
     paths = RunPaths(run_dir)
@@ -139,7 +142,12 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
     created = not run_dir.exists()
     with RunLock(run_dir, exclusive=True):
         try:
-            yield _prepare(session, paths, resume, console)
+            run = _prepare(session, paths, resume, console)
+            try:
+                yield run
+            finally:  # the trackers' runs end as failed unless `_finish` ended them
+                if run.tracking is not None:
+                    run.tracking.close()
         except KeyboardInterrupt:
             if not resume and _checkpointed_rounds(paths) == 0:
                 _remove_new_run(paths, created)
@@ -169,6 +177,9 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
     pinned = f" (the run's copy, {session.pinned_copy})" if session.pinned_copy else ""
     console.print(f"backbone weights: {session.backbone.source}{pinned}")
     lam_auto = _choose_lam(session, run_dir, resume, console)
+    resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
+    # --log: the trackers start (or continue their runs) after every check, and log the rounds they lack
+    tracking = open_tracking(config, run_dir, resolved=resolved, history=history, resume=resume)
     with deferred_interrupts():
         if resume:  # results of the run as it was are no longer the run's: they go before anything changes
             _unfinish(paths)
@@ -177,14 +188,13 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
             source = Path(session.backbone.source)
             if source.is_file():  # a weights file, which a later `pretrain` may replace: the run keeps its own
                 pin_weights(source, session.backbone_sha256)
-        resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
         write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
         if history:  # as the checkpoint records it: a damaged metrics.jsonl is whole again
             write_text_atomic(paths.metrics, _metrics_lines(history))
     start = len(history)
     if start:
         console.print(f"resuming {run_dir} after round {start}")
-    return PreparedRun(session, paths, global_state, history)
+    return PreparedRun(session, paths, global_state, history, tracking)
 
 
 def _restored(
@@ -273,14 +283,17 @@ def _remove_new_run(paths: RunPaths, created: bool) -> None:
         path.unlink(missing_ok=True)
     for directory in (paths.checkpoints, paths.client_store):
         shutil.rmtree(directory, ignore_errors=True)
+    remove_tracking_files(paths.root)
     if created:
         shutil.rmtree(paths.root, ignore_errors=True)
 
 
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
     """The rounds left, then the final evaluation and export: the same for every engine."""
-    global_state = _run_rounds(run.session, run.global_state, run.history, run.paths, console, clients)
-    return _finish(run.session, global_state, run.history, run.paths, console, clients)
+    global_state = _run_rounds(
+        run.session, run.global_state, run.history, run.paths, console, clients, tracking=run.tracking
+    )
+    return _finish(run.session, global_state, run.history, run.paths, console, clients, tracking=run.tracking)
 
 
 class Clients(Protocol):
@@ -371,7 +384,13 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
 
 
 def _run_rounds(
-    session: Session, global_state: dict, history: list, paths: RunPaths, console: Console, clients: Clients
+    session: Session,
+    global_state: dict,
+    history: list,
+    paths: RunPaths,
+    console: Console,
+    clients: Clients,
+    tracking: Tracking | None = None,
 ) -> dict:
     config, method = session.config, session.method
     fed, seed = config.federation, config.seed
@@ -414,6 +433,8 @@ def _run_rounds(
             with deferred_interrupts():  # Ctrl-C: after the round's checkpoint, not between its files
                 history.append(record)
                 _save_round(session, global_state, history, paths)
+            if tracking is not None:  # once the round is kept: a crash before this logs it on --resume
+                tracking.log_round(record)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
             if not console.is_terminal:  # logs and CI get one line per round instead of a live display
                 console.print(_round_description(record))
@@ -462,7 +483,13 @@ def _save_round(session: Session, global_state: dict, history: list, paths: RunP
 
 
 def _finish(
-    session: Session, global_state: dict, history: list[dict], paths: RunPaths, console: Console, clients: Clients
+    session: Session,
+    global_state: dict,
+    history: list[dict],
+    paths: RunPaths,
+    console: Console,
+    clients: Clients,
+    tracking: Tracking | None = None,
 ) -> dict:
     federated, rounds = session.federated_clients, session.config.federation.rounds
     with progress_display(console) as progress:
@@ -480,6 +507,8 @@ def _finish(
         session.model.save_pretrained(paths.global_adapter, global_state)
     report = build_report(session, evaluation, history)
     write_json_atomic(paths.report, report)
+    if tracking is not None:
+        tracking.finish(report)
     return report
 
 

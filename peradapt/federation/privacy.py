@@ -54,8 +54,6 @@ from peradapt.federation.store import ClientStore
 if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
-    from peradapt.personalize.base import Method
-
 NOISE = 13  # seed phase of the DP-SGD noise, derived from the training call's own seed
 PRIVACY_KEY = "privacy"  # the client store slot of a client's accountant history
 ACCOUNTANT = "rdp"
@@ -163,19 +161,6 @@ class PrivateTraining:
     def spend(self, batches: PoissonBatches) -> None:
         if batches.steps:
             self.spent.append((self.noise_multiplier, batches.sample_rate, batches.steps))
-
-
-def check_private_method(config: TrainConfig, method: type[Method]) -> None:
-    """With --dp-noise, refuse methods whose client training does not all go through `LocalTrainer.sgd`."""
-    if not config.privacy.enabled or method.supports_dp:
-        return
-    from peradapt.personalize import METHODS
-
-    private = ", ".join(name for name, cls in METHODS.items() if cls.supports_dp)
-    raise ConfigError(
-        f"--method {method.name} trains clients with update rules of its own, which DP-SGD does not cover: "
-        f"with --dp-noise use one of {private}"
-    )
 
 
 def private_training(config: TrainConfig, model: AdaptedModel) -> PrivateTraining | None:

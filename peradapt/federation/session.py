@@ -17,22 +17,23 @@ import torch
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
 from peradapt.backbones import (
     BackboneInfo,
+    check_input_sizes,
     fixed_image_size,
     load_backbone,
     pinned_weights_path,
     weights_fingerprint,
 )
 from peradapt.config import TrainConfig
-from peradapt.data import ClientData, FederatedData, build_federation
+from peradapt.data import ClientData, FederatedData, build_federation, has_pretraining_split
 from peradapt.data.images import channel_statistics
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.privacy import check_private_method, private_training
+from peradapt.federation.privacy import private_training
 from peradapt.federation.runfiles import PARTITION, REPORT, RESOLVED, check, damaged, read_json
 from peradapt.federation.seeds import EVALUATION, derive_seed
 from peradapt.federation.store import ClientStore, DiskClientStore
-from peradapt.personalize import Method, MethodContext, build_method, method_class
+from peradapt.personalize import Method, MethodContext, build_method, check_private_method, method_class
 
 AUGMENTED_DATASETS = ("cifar10", "cifar100")  # the paper trains CIFAR with random crop + flip
 # Beyond this many clients, what costs a pass over a large set per client (personalized global-test, OOD sets) or a
@@ -161,7 +162,8 @@ def build_session(
     fingerprint (`open_session` passes both for a saved run)."""
     config.validate()
     method_cls = method_class(config.method.method)
-    check_private_method(config, method_cls)
+    check_private_method(config.method.method, config.privacy.enabled)
+    check_input_sizes(config.backbone.backbone, config.data.image_size, config.distill.kd_image_size)
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
     image_size = config.data.image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
@@ -177,6 +179,8 @@ def build_session(
         saved_partition=saved_partition,
         channels=config.data.channels,
         resize=config.data.resize,
+        image_column=config.data.image_column,
+        label_column=config.data.label_column,
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
@@ -191,6 +195,7 @@ def build_session(
         image_size=data.image_size,
         offline=config.backbone.offline,
         normalization=config.backbone.normalization,
+        pretrainable=has_pretraining_split(config.data.data),
     )
     fingerprint = weights_fingerprint(backbone, info)
     if backbone_sha256 is not None and fingerprint != backbone_sha256:

@@ -23,7 +23,8 @@ from peradapt.personalize.base import (
     Method,
     MethodContext,
     build_method,
+    check_private_method,
     method_class,
 )
 
-__all__ = ["METHODS", "ClientUpdate", "Method", "MethodContext", "build_method", "method_class"]
+__all__ = ["METHODS", "ClientUpdate", "Method", "MethodContext", "build_method", "check_private_method", "method_class"]

@@ -208,6 +208,18 @@ def method_class(name: str) -> type[Method]:
     return METHODS[name]
 
 
+def check_private_method(name: str, private: bool) -> None:
+    """With --dp-noise (`private`), refuse methods whose client training does not all go through `LocalTrainer.sgd`
+    (DP-SGD)."""
+    if not private or method_class(name).supports_dp:
+        return
+    supported = ", ".join(method for method, cls in METHODS.items() if cls.supports_dp)
+    raise ConfigError(
+        f"--method {name} trains clients with update rules of its own, which DP-SGD does not cover: "
+        f"with --dp-noise use one of {supported}"
+    )
+
+
 def build_method(name: str, context: MethodContext) -> Method:
     cls = method_class(name)
     if cls.uses_distillation and context.distiller is None:

@@ -20,10 +20,11 @@ from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
-from peradapt.federation.engine import resume_config, train
+from peradapt.federation.engine import resume_config
 from peradapt.federation.session import RunPaths, read_report, read_run_config
 from peradapt.personalize import method_class
 from peradapt.progress import text_console
+from peradapt.training import train
 
 ACCURACIES = (  # of the task's metric: accuracy, or AUC for multi-label data
     ("personalized_local_test", "local-test"),
@@ -79,7 +80,7 @@ def _run(config: TrainConfig, console: Console) -> dict:
 
 def _comparable(config: TrainConfig) -> dict:
     flat = config.to_flat()
-    for key in ("out", "device", "eval_every"):
+    for key in ("out", "device", "eval_every", "log"):
         flat.pop(key)
     return flat
 

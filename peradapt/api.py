@@ -1,0 +1,171 @@
+"""The Python API: every command as a function, with the command line's behaviour (`peradapt.cli` only parses flags
+and prints what these return).
+
+    import peradapt
+
+    report = peradapt.train(data="fmnist", backbone="resnet18_w16", clients=4, rounds=2, out="runs/api")
+    evaluation = peradapt.evaluate("runs/api")           # eval.json: local-/global-test of every adapter
+    peradapt.export("runs/api", "adapters/")             # PEFT adapters + backbone
+    new_client = peradapt.personalize_new_client("runs/api", "ID")  # held out with holdout_clients=K
+
+Settings are the `train` flags with underscores (`clients_per_round=8`, `kd_steps=50`), as in a config file, or a
+whole `TrainConfig`. A mistake raises a `peradapt.PeradaptError` whose message is the command line's `error:` line;
+nothing is written then. Progress goes to stderr, as on the command line (`quiet=True`: nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from peradapt.config import TrainConfig, read_config_file
+from peradapt.errors import ConfigError
+from peradapt.progress import text_console
+
+PathLike = str | Path
+
+
+def training_config(
+    *,
+    resume: bool = False,
+    preset: str | None = None,
+    config_file: PathLike | None = None,
+    **settings: Any,
+) -> TrainConfig:
+    """The config `peradapt train` runs: a paper `preset`, then `config_file` (YAML or JSON), then `settings` win.
+    With `resume`, the saved config of the run in `settings["out"]`, where only the settings that keep its results
+    valid may change (rounds, eval_every, device, out, offline, log)."""
+    from peradapt.federation.engine import resume_config
+    from peradapt.presets import preset_settings
+
+    if resume:
+        if "out" not in settings:
+            raise ConfigError("--resume needs --out: the run directory to continue")
+        if preset or config_file:
+            raise ConfigError("--resume continues with the run's saved settings: drop --preset and --config")
+        return resume_config(Path(settings["out"]), settings)
+    values: dict[str, Any] = preset_settings(preset) if preset else {}
+    values.update(read_config_file(Path(config_file)) if config_file else {})
+    values.update(settings)
+    return TrainConfig.from_flat(values)
+
+
+def train(
+    config: TrainConfig | None = None,
+    /,
+    *,
+    resume: bool = False,
+    preset: str | None = None,
+    config_file: PathLike | None = None,
+    quiet: bool = False,
+    console: Console | None = None,
+    **settings: Any,
+) -> dict:
+    """Train a federation (or continue one: `resume=True, out=RUN`) into its run directory; returns `report.json`.
+
+    `config`: a whole `TrainConfig`; else one from `preset`, `config_file` and `settings` (see `training_config`).
+    The run directory is `config.out` (set to the default, `runs/DATA-METHOD-seedSEED`, when none is given)."""
+    from peradapt.training import train as run_training
+
+    if config is None:
+        config = training_config(resume=resume, preset=preset, config_file=config_file, **_as_text(settings))
+    elif settings or preset or config_file:
+        raise ConfigError("train takes a TrainConfig or settings, not both: put the settings into the config")
+    return run_training(config, resume=resume, console=_console(console, quiet))
+
+
+def evaluate(
+    run: PathLike,
+    *,
+    ood: str | None = None,
+    ood_limit: int | None = None,
+    quiet: bool = False,
+    console: Console | None = None,
+) -> dict:
+    """local-test and global-test of every exported adapter of a finished run (written to `eval.json`), or with
+    `ood` their accuracy on an out-of-distribution set (`ood-NAME.json`; `ood_limit`: images per part)."""
+    from peradapt.runs import evaluate_ood_run, evaluate_run
+
+    if ood is not None:
+        return evaluate_ood_run(Path(run), ood, limit=ood_limit, console=_console(console, quiet))
+    if ood_limit is not None:
+        raise ConfigError("--ood-limit needs --ood NAME")
+    return evaluate_run(Path(run))
+
+
+def export(run: PathLike, out: PathLike) -> Path:
+    """Every client's adapter and the global adapter (PEFT layout) with their frozen backbone, into `out`."""
+    from peradapt.runs import export_run
+
+    return export_run(Path(run), Path(out))
+
+
+def push_to_hub(
+    run: PathLike, out: PathLike, repo_id: str, *, clients: str | Sequence[int] = "all", private: bool = False
+) -> str:
+    """`export` into `out`, then upload it to the Hugging Face model repository `repo_id` (OWNER/NAME): the
+    backbone, the global adapter, the adapters of `clients` (ids, or "all") and their model cards; returns its URL."""
+    from peradapt.share import push_export
+
+    chosen = clients if isinstance(clients, str) else ",".join(str(client) for client in clients)
+    return push_export(Path(run), Path(out), repo_id, chosen, private=private)
+
+
+def personalize_new_client(run: PathLike, new_client: str) -> dict:
+    """Personalize a client that never took part in training (a held-out client's id, or a directory of its
+    images) from the run's global model with the run's method; returns its `result.json`."""
+    from peradapt.newclients import personalize_new_client as personalize
+
+    return personalize(Path(run), str(new_client))
+
+
+def pretrain(*, quiet: bool = False, console: Console | None = None, **settings: Any) -> tuple[Path, float]:
+    """Make a backbone offline on a dataset's labeled pretraining split (the `pretrain` flags as settings); returns
+    where the weights were written and their held-out accuracy."""
+    from peradapt.pretraining import PretrainConfig
+    from peradapt.pretraining import pretrain as run_pretrain
+
+    known = {field.name for field in dataclasses.fields(PretrainConfig)}
+    unknown = sorted(settings.keys() - known)
+    if unknown:
+        raise ConfigError(f"unknown pretrain setting '{unknown[0]}': use {', '.join(sorted(known))}")
+    return run_pretrain(PretrainConfig(**_as_text(settings)), _console(console, quiet))
+
+
+def compare(
+    methods: Sequence[str],
+    *,
+    seeds: int = 3,
+    out: PathLike = "runs/compare",
+    config_file: PathLike | None = None,
+    quiet: bool = False,
+    console: Console | None = None,
+    **settings: Any,
+) -> list[dict]:
+    """Train every method on seeds 0..seeds-1 (shared partitions) and return the Table-1-style rows, also written
+    to OUT/compare.json and compare.md; finished runs in `out` are reused."""
+    from peradapt.comparison import compare as run_compare
+
+    values: dict[str, Any] = read_config_file(Path(config_file)) if config_file else {}
+    values.update(_as_text(settings))
+    return run_compare(values, list(methods), list(range(seeds)), Path(out), _console(console, quiet))
+
+
+def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
+    """Plots and a Markdown/JSON table of finished runs; returns the files written."""
+    from peradapt.reports import build_report
+
+    return build_report([Path(run) for run in runs], None if out is None else Path(out))
+
+
+def _as_text(settings: dict[str, Any]) -> dict[str, Any]:
+    """Paths as the strings configs hold."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in settings.items()}
+
+
+def _console(console: Console | None, quiet: bool) -> Console:
+    return console or text_console(stderr=True, quiet=quiet)

@@ -1,0 +1,408 @@
+"""Model cards of an export (issue 17): one README.md per adapter and one for the federation, each with its own
+scores from report.json and a loading recipe that works as written; `export --push-to-hub` uploads the chosen
+clients with them (a stand-in for HfApi records what would be sent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+import yaml
+from huggingface_hub.errors import HTTPError
+from huggingface_hub.hf_api import RepoUrl
+from huggingface_hub.utils import filter_repo_objects
+
+import peradapt.share as share
+from peradapt.federation.session import build_session, read_partition, read_run_config
+
+from .test_cli import expect_refusal, run_cli, run_main, snapshot, tiny_args
+from .test_dp import dp_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TAGS = {"peradapt", "federated-learning", "personalization"}
+
+
+def train_and_export(tmp_path_factory, name: str, args: Callable[[Path], list[str]], home: Path | None):
+    """(run, export) of the run `args(run)` trains."""
+    root = tmp_path_factory.mktemp(name)
+    run, out = root / "run", root / "export"
+    run_main(args(run), home)
+    run_main(["export", "--run", str(run), "--out", str(out)], home)
+    return run, out
+
+
+@pytest.fixture(scope="module")
+def perada(tmp_path_factory, pretrained_home, fmnist_dir):
+    """PerAda with residual adapters (the default for a ResNet) on a backbone `peradapt pretrain` made."""
+    return train_and_export(
+        tmp_path_factory, "perada", lambda run: tiny_args(fmnist_dir, run, "--rounds", "1"), pretrained_home
+    )
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory, pretrained_home, fmnist_dir):
+    def args(run):
+        return tiny_args(fmnist_dir, run, "--rounds", "1", "--adapter", "lora", "--method", "perada-nokd")
+
+    return train_and_export(tmp_path_factory, "lora", args, pretrained_home)
+
+
+@pytest.fixture(scope="module")
+def ditto(tmp_path_factory, pretrained_home, fmnist_dir):
+    """A full-model method: each client's model is the whole network, one state file."""
+
+    def args(run):
+        return tiny_args(fmnist_dir, run, "--rounds", "1", "--method", "ditto")
+
+    return train_and_export(tmp_path_factory, "ditto", args, pretrained_home)
+
+
+@pytest.fixture(scope="module")
+def fedrod(tmp_path_factory, pretrained_home, fmnist_dir):
+    """A second, personal head (`Method.second_head`): loaded through peradapt's AdaptedModel."""
+
+    def args(run):
+        return tiny_args(fmnist_dir, run, "--rounds", "1", "--method", "fedrod")
+
+    return train_and_export(tmp_path_factory, "fedrod", args, pretrained_home)
+
+
+@pytest.fixture(scope="module")
+def private(tmp_path_factory, fmnist_dir, vit_weights):
+    """DP-SGD on a tiny ViT (LoRA) from a --weights file, the last of 4 clients held out."""
+    return train_and_export(
+        tmp_path_factory, "dp", lambda run: dp_args(fmnist_dir, vit_weights, run, "--rounds", "1"), None
+    )
+
+
+def card(path: Path) -> tuple[dict, str]:
+    """A README.md's front matter (parsed as YAML) and its body."""
+    return card_text(path.read_text(encoding="utf-8"))
+
+
+def card_text(text: str) -> tuple[dict, str]:
+    match = re.match(r"---\n(.*?)\n---\n(.*)", text, re.DOTALL)
+    assert match, text[:200]
+    return yaml.safe_load(match.group(1)), match.group(2)
+
+
+def report_of(run: Path) -> dict:
+    return json.loads((run / "report.json").read_text())
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.2f}%"
+
+
+def snippet(body: str) -> str:
+    (code,) = re.findall(r"```python\n(.*?)```", body, re.DOTALL)
+    return code
+
+
+def load_as_the_card_says(body: str, root: Path, monkeypatch) -> dict:
+    """Run the card's Python code from the export's directory (as its `root = "."` expects); its names."""
+    monkeypatch.chdir(root)
+    namespace: dict = {}
+    exec(compile(snippet(body), "README.md", "exec"), namespace)
+    return namespace
+
+
+def expected_logits(run: Path, client: int | None, count: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Test images of `client` (uint8) and the logits peradapt's own evaluation gives them with the exported
+    adapter of `client` (None: the global adapter)."""
+    config, _ = read_run_config(run)
+    session = build_session(config, read_partition(run))
+    who = 0 if client is None else client
+    state = session.model.load_pretrained(run / ("global" if client is None else f"clients/{client}"))
+    test = session.data.clients[who].test.subset(torch.arange(count))
+    return test.images, session.trainer.logits(state, test)
+
+
+# ---------------------------------------------------------------- what a card says
+
+
+def test_each_client_card_names_its_client_and_its_own_scores(perada):
+    run, out = perada
+    report = report_of(run)
+    local = report["personalized"]["local_test"]["per_client"]
+    global_test = report["personalized"]["global_test"]["per_client"]
+    own = {}
+    for index, client in enumerate(report["clients"]):
+        _, body = card(out / "clients" / str(client) / "README.md")
+        assert f"# Client {client}:" in body
+        assert f"| client {client}'s test split (local-test) | {percent(local[index])} |" in body
+        assert f"| all clients' test data (global-test) | {percent(global_test[index])} |" in body
+        own[client] = percent(local[index])
+    assert len(set(own.values())) > 1  # different clients, different numbers: each card has its own
+
+
+def test_the_global_card_has_the_global_models_scores(perada):
+    run, out = perada
+    report = report_of(run)
+    _, body = card(out / "global" / "README.md")
+    assert body.startswith("\n# Global adapter of a perada federation on fmnist")
+    assert f"| all clients' test data (global-test) | {percent(report['global']['global_test'])} |" in body
+    stats = report["global"]["local_test"]
+    assert f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f}%" in body
+
+
+def test_front_matter_is_yaml_for_the_hub(perada, lora, ditto):
+    for out, method, kind, library in (
+        (perada[1], "perada", "residual-adapter", "peft"),
+        (lora[1], "perada-nokd", "lora", "peft"),
+        (ditto[1], "ditto", "full-model", "timm"),  # no adapter: one state file of the whole network
+    ):
+        for path in (out / "README.md", out / "global" / "README.md", out / "clients" / "1" / "README.md"):
+            metadata, _ = card(path)
+            assert metadata["library_name"] == library
+            assert set(metadata["tags"]) == TAGS | {method, kind}
+            # weights made by `peradapt pretrain`: no Hub model to name, no license known
+            assert "base_model" not in metadata and "license" not in metadata
+
+
+def test_cards_say_where_the_backbone_weights_came_from(perada):
+    run, out = perada
+    _, resolved = read_run_config(run)
+    _, body = card(out / "clients" / "0" / "README.md")
+    assert "peradapt pretrain on fmnist" in body  # the description kept beside the run's pinned weights
+    assert resolved["weights"] in body and resolved["backbone_sha256"] in body
+    assert "`dir:0.5` over 4 clients" in body and "1 round, 2 of 4 clients sampled per round, seed 0" in body
+
+
+def test_residual_cards_say_peradapt_is_needed_and_lora_cards_do_not_call_it_a_custom_layer(perada, lora):
+    _, residual = card(perada[1] / "clients" / "0" / "README.md")
+    _, low_rank = card(lora[1] / "clients" / "0" / "README.md")
+    assert "custom PEFT layer" in residual and "registers the residual adapter" in residual
+    assert "custom PEFT layer" not in low_rank and "residual" not in low_rank
+    assert "PEFT LoRA of rank 8" in low_rank
+    # the tiny backbone of the tests is a narrow ResNet that peradapt registers with timm: said as the reason
+    assert "registers resnet10_w4 with timm" in low_rank
+
+
+def test_the_run_directory_keeps_no_model_card_templates(perada):
+    run, _ = perada
+    assert not list(run.glob("clients/*/README.md")) and not (run / "global" / "README.md").exists()
+
+
+def test_a_dp_card_gives_that_clients_epsilon_and_held_out_clients_get_none(private):
+    run, out = private
+    report = report_of(run)
+    epsilons = report["privacy"]["epsilon"]["per_client"]
+    assert report["clients"] == [0, 1, 2] and report["held_out_clients"] == [3]
+    for index, client in enumerate(report["clients"]):
+        _, body = card(out / "clients" / str(client) / "README.md")
+        assert f"ε = {epsilons[index]:.2f} for this client's data at δ = 1e-05" in body
+    assert not (out / "clients" / "3").exists()
+    _, federation = card(out / "README.md")
+    assert "1 client (3) were held out of training" in federation
+    metadata, body = card(out / "global" / "README.md")
+    assert f"at most {report['privacy']['epsilon']['max']:.2f}" in body
+    assert metadata["tags"][-1] == "lora"  # the default adapter of a ViT
+    assert f"from `{read_run_config(run)[1]['weights']}`" in body  # --weights FILE
+
+
+# ---------------------------------------------------------------- the loading recipe works as written
+
+
+@pytest.mark.parametrize(
+    ("name", "client"), [("perada", 2), ("perada", None), ("lora", 1), ("ditto", 3), ("fedrod", 1)]
+)
+def test_the_cards_code_loads_the_model_peradapt_evaluated(name, client, request, monkeypatch, home):
+    run, out = request.getfixturevalue(name)
+    _, body = card(out / ("global" if client is None else f"clients/{client}") / "README.md")
+    namespace = load_as_the_card_says(body, out, monkeypatch)
+    images, expected = expected_logits(run, client)
+    with torch.no_grad():
+        actual = namespace["model"](namespace["preprocess"](images))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_dp_vit_card_loads_with_plain_peft(private, monkeypatch):
+    run, out = private
+    _, body = card(out / "clients" / "1" / "README.md")
+    assert "import peradapt" in body  # vit_tiny_p4_32 is peradapt's
+    namespace = load_as_the_card_says(body, out, monkeypatch)
+    images, expected = expected_logits(run, 1, count=8)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["model"](namespace["preprocess"](images)), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- --push-to-hub
+
+
+class StandInApi:
+    """Records what `HfApi` would send: the repositories created, and per upload the files it would take."""
+
+    calls: ClassVar[list[tuple[str, dict]]] = []
+    fail: ClassVar[Exception | None] = None
+
+    def create_repo(self, repo_id: str, **kwargs):
+        if StandInApi.fail is not None:
+            raise StandInApi.fail
+        StandInApi.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, folder_path, allow_patterns=None, delete_patterns=None, **kwargs):
+        root = Path(folder_path)
+        files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+        sent = list(filter_repo_objects(files, allow_patterns=allow_patterns))
+        deleted = delete_patterns
+        StandInApi.calls.append(("upload_folder", {"files": sent, "delete_patterns": deleted, **kwargs}))
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    StandInApi.calls, StandInApi.fail = [], None
+    monkeypatch.setattr(share, "HfApi", StandInApi)
+    monkeypatch.setattr(share, "get_token", lambda: "hf_stand_in")
+    return StandInApi
+
+
+def test_push_uploads_the_chosen_clients_with_their_cards(perada, tmp_path, hub, capsys, monkeypatch, home):
+    run, _ = perada
+    out = tmp_path / "shared"
+    args = ["export", "--run", str(run), "--out", str(out), "--push-to-hub", "someone/fmnist-perada"]
+    code, printed, err = run_cli([*args, "--clients", "2,0", "--private"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "uploaded to https://huggingface.co/someone/fmnist-perada" in printed
+    (create, created), (upload, uploaded) = hub.calls
+    assert create == "create_repo" and created["repo_id"] == "someone/fmnist-perada"
+    assert created["exist_ok"] is True and created["private"] is True and created["repo_type"] == "model"
+    assert upload == "upload_folder" and uploaded["repo_id"] == "someone/fmnist-perada"
+    sent = uploaded["files"]
+    assert {f.split("/")[1] for f in sent if f.startswith("clients/")} == {"0", "2"}  # only the chosen clients
+    assert {"README.md", "backbone.safetensors", "backbone.json", "global/README.md"} <= set(sent)
+    for client in (0, 2):
+        assert {f"clients/{client}/{name}" for name in ("README.md", "adapter_model.safetensors")} <= set(sent)
+    assert "clients/*" in uploaded["delete_patterns"]  # an earlier push's other clients go
+    _, federation = card(out / "README.md")
+    assert "[`someone/fmnist-perada`](https://huggingface.co/someone/fmnist-perada)" in federation
+    assert "personalized adapters of 2 clients (0, 2)" in federation
+
+    # a card's recipe downloads what it needs from the repository: here, the export stands in for the download
+    _, body = card(out / "clients" / "2" / "README.md")
+    assert 'snapshot_download("someone/fmnist-perada", allow_patterns=["backbone*", "clients/2/*"])' in body
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(out))
+    namespace: dict = {}
+    exec(compile(snippet(body), "README.md", "exec"), namespace)
+    images, expected = expected_logits(run, 2, count=4)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["model"](namespace["preprocess"](images)), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_push_of_all_clients(perada, tmp_path, hub, capsys, monkeypatch, home):
+    run, _ = perada
+    args = ["export", "--run", str(run), "--out", str(tmp_path / "x"), "--push-to-hub", "someone/all"]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    (_, created), (_, uploaded) = hub.calls
+    assert created["private"] is None  # a new repository gets the Hub's default visibility
+    assert {f.split("/")[1] for f in uploaded["files"] if f.startswith("clients/")} == {"0", "1", "2", "3"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--clients", "99"], ["--clients 99", "no client 99", "0-3"]),
+        (["--clients", "0,x"], ["'x' is no client id"]),
+        (["--clients", ""], ["is no client id"]),
+    ],
+)
+def test_bad_clients_are_refused_before_anything_is_written_or_sent(
+    extra, needles, perada, tmp_path, hub, capsys, monkeypatch, home
+):
+    run, _ = perada
+    out = tmp_path / "x"
+    args = ["export", "--run", str(run), "--out", str(out), "--push-to-hub", "someone/x", *extra]
+    expect_refusal(args, capsys, monkeypatch, *needles, untouched=out)
+    assert hub.calls == []
+
+
+def test_a_held_out_client_is_refused_with_what_to_do(private, tmp_path, hub, capsys, monkeypatch):
+    run, _ = private
+    out = tmp_path / "x"
+    args = ["export", "--run", str(run), "--out", str(out), "--push-to-hub", "someone/x", "--clients", "3"]
+    expect_refusal(args, capsys, monkeypatch, "held out", "peradapt personalize", untouched=out)
+    assert hub.calls == []
+
+
+def test_push_without_a_token_or_with_a_bad_repo_id_says_what_to_do(perada, tmp_path, hub, capsys, monkeypatch, home):
+    run, _ = perada
+    out = tmp_path / "x"
+    base = ["export", "--run", str(run), "--out", str(out)]
+    expect_refusal([*base, "--push-to-hub", "no-owner"], capsys, monkeypatch, "OWNER/NAME", untouched=out)
+    expect_refusal([*base, "--clients", "0"], capsys, monkeypatch, "--push-to-hub", untouched=out)
+    monkeypatch.setattr(share, "get_token", lambda: None)
+    expect_refusal(
+        [*base, "--push-to-hub", "someone/x"], capsys, monkeypatch, "hf auth login", "HF_TOKEN", untouched=out
+    )
+    assert hub.calls == []
+
+
+def test_an_unreachable_hub_is_one_error_line_and_the_export_stays(perada, tmp_path, hub, capsys, monkeypatch, home):
+    run, _ = perada
+    out = tmp_path / "x"
+    hub.fail = HTTPError("[Errno -2] Name or service not known")
+    args = ["export", "--run", str(run), "--out", str(out), "--push-to-hub", "someone/x"]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: cannot upload to someone/x") and "no network connection?" in line
+    assert str(out) in line and (out / "README.md").is_file()  # what to upload later is there
+    assert snapshot(out) is not None and os.listdir(out)
+
+
+@pytest.mark.parametrize(
+    ("backbone", "kind", "weights", "base_model", "license_"),
+    [
+        (
+            "resnet18.tv_in1k",
+            "lora",
+            "Hugging Face Hub timm/resnet18.tv_in1k (cached file /c)",
+            "timm/resnet18.tv_in1k",
+            "bsd-3-clause",
+        ),
+        (
+            "resnet18.tv_in1k",
+            "residual",
+            "Hugging Face Hub timm/resnet18.tv_in1k (fetched)",
+            "timm/resnet18.tv_in1k",
+            "bsd-3-clause",
+        ),
+        ("resnet18.tv_in1k", "lora", "/weights/mine.safetensors", None, None),  # --weights: not the Hub's
+        (
+            "hf:google/vit-base-patch16-224",
+            "lora",
+            "/hf/hub/models--google--vit-base-patch16-224/snapshots/a",
+            "google/vit-base-patch16-224",
+            None,
+        ),
+        ("hf:/models/mine", "lora", "/models/mine", None, None),  # a save_pretrained directory
+    ],
+)
+def test_hub_backbones_are_the_base_model(backbone, kind, weights, base_model, license_, perada):
+    from peradapt.cards import RunCards
+
+    run, _ = perada
+    config, resolved = read_run_config(run)
+    config.backbone.backbone = backbone
+    config.backbone.weights = weights if weights.startswith("/weights") else None
+    resolved = {**resolved, "adapter": kind, "weights": weights}
+    cards = RunCards(config, resolved, report_of(run))
+    metadata, body = card_text(cards.adapter(0))
+    assert metadata.get("base_model") == base_model and metadata.get("license") == license_
+    assert metadata["library_name"] == "peft"
+    if backbone.startswith("hf:"):
+        assert 'AutoModelForImageClassification.from_pretrained(f"{root}/backbone")' in body
+    else:  # a timm model of timm's own: peradapt only for the residual adapter, a custom PEFT layer
+        assert 'timm.create_model("resnet18.tv_in1k", num_classes=10, in_chans=1)' in body
+    assert ("import peradapt" in body) == (kind == "residual")
