@@ -6,7 +6,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DEMO_RUN ?= runs/demo
 
-.PHONY: install install-test fmnist demo test lint
+.PHONY: install install-test fmnist demo test lint gpu-check
 
 install:
 	$(PIP) install -e .
@@ -31,3 +31,9 @@ test: install-test
 
 lint: install-test
 	ruff check . && ruff format --check .
+
+# On a machine with a CUDA GPU, no network needed: the tests marked cuda, then the GPU benchmark figures, in one
+# JSON (gpu-check.json). Installs without dependencies when they are there already (an offline GPU box).
+gpu-check:
+	$(PIP) install -e '.[test]' || $(PIP) install -e . --no-deps --no-build-isolation
+	$(PYTHON) benchmarks/gpu_check.py --json gpu-check.json

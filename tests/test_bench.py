@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 
@@ -28,3 +30,15 @@ def test_state_ratio_counts_two_resnet18_copies_against_one_adapter(tmp_path):
     assert results["state_ratio"] == results["reference_bytes_per_client"] / results["peradapt_bytes_per_client"]
     assert results["state_ratio"] >= 15
     assert "state_ratio" in finished.stdout and "met" in finished.stdout
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: `make gpu-check` runs there")
+    finished = subprocess.run(
+        [sys.executable, str(BENCH.with_name("gpu_check.py"))], capture_output=True, text=True, check=False
+    )
+    assert finished.returncode == 2
+    assert finished.stdout.strip().startswith("error: no CUDA GPU is visible") and "\n" not in finished.stdout.strip()

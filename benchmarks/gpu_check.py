@@ -1,0 +1,63 @@
+"""`make gpu-check`: verify peradapt's CUDA path on this machine and take the GPU benchmark figures, in one command.
+
+    python benchmarks/gpu_check.py [--json gpu-check.json] [--quick]
+
+1. The tests marked `cuda` (tests/test_cuda.py: bf16 against fp32 predictions, channels-last, a crashed and resumed
+   GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources), on the
+   tests' own synthetic Fashion-MNIST stand-in: no network, no dataset needed.
+2. The benchmark figures that a GPU changes (`bench.py --device cuda --only step,kd`), on random images.
+3. One JSON: the device, the tests' outcome, the figures. Exit code 0 only when every test passed.
+
+Without a visible CUDA GPU it stops at once with one line (exit 2): it has nothing to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("gpu-check.json"), help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="the benchmark's shorter phases")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU is visible (torch.cuda.is_available() is False): run this on a GPU machine")
+        sys.exit(2)
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "bf16": torch.cuda.is_bf16_supported(),
+        "tests": run_tests(),
+    }
+    bench_json = args.json.with_suffix(".bench.json")
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", "cuda", "--only", "step,kd"]
+    command += ["--json", str(bench_json), *(["--quick"] if args.quick else [])]
+    finished = subprocess.run(command, cwd=ROOT / "benchmarks", capture_output=True, text=True, check=False)
+    results["benchmark"] = json.loads(bench_json.read_text()) if finished.returncode == 0 else None
+    results["benchmark_log"] = finished.stdout[-4000:] + finished.stderr[-4000:]
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{results['device']}: tests {results['tests']['summary']}; figures in {args.json}")
+    sys.exit(0 if results["tests"]["returncode"] == 0 and finished.returncode == 0 else 1)
+
+
+def run_tests() -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests/test_cuda.py"]
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    lines = finished.stdout.strip().splitlines()
+    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
+    return {"returncode": finished.returncode, "summary": summary.strip("= "), "log": finished.stdout[-6000:]}
+
+
+if __name__ == "__main__":
+    main()
