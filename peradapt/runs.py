@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from peradapt.errors import ConfigError, RunError, WeightsError
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.checkpoint import write_json_atomic
 from peradapt.federation.rundir import reads_run
+from peradapt.federation.runfiles import damaged, read_json
 from peradapt.federation.session import RunPaths, Session, open_session, read_report, read_run_config
 from peradapt.hf import is_hf
 from peradapt.progress import progress_display, text_console
@@ -69,13 +69,13 @@ class ExportedAdapters:
         name, remedy = self.session.model.weights_file, _reexport(self.paths)
         expected = _tensor_shapes(self.paths.global_adapter / name, remedy)
         configs = [] if self.session.model.scope == "full" else [ADAPTER_CONFIG_FILE]
-        described = {config: _json_of(self.paths.global_adapter / config, remedy) for config in configs}
+        described = {config: read_json(self.paths.global_adapter / config, remedy) for config in configs}
         for client in self.session.federated_clients:
             directory = self.paths.clients / str(client.client_id)
             if not (directory / name).is_file() or _tensor_shapes(directory / name, remedy) != expected:
                 raise RunError(f"{directory / name} is missing or unlike the global adapter: {remedy}")
             for config, content in described.items():
-                if not (directory / config).is_file() or _json_of(directory / config, remedy) != content:
+                if not (directory / config).is_file() or read_json(directory / config, remedy) != content:
                     raise RunError(f"{directory / config} is missing or unlike the global adapter's: {remedy}")
 
 
@@ -98,14 +98,7 @@ def _tensor_shapes(path: Path, remedy: str) -> dict[str, list[int]]:
         with safe_open(str(path), framework="pt") as handle:
             return {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as exc:
-        raise RunError(f"{path} is damaged (not a readable safetensors file: {exc}): {remedy}") from None
-
-
-def _json_of(path: Path, remedy: str) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # a UnicodeDecodeError is a ValueError too
-        raise RunError(f"{path} is damaged (not a JSON file: {exc}): {remedy}") from None
+        raise damaged(path, f"not a readable safetensors file: {exc}", remedy) from None
 
 
 @reads_run

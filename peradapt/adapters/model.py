@@ -393,9 +393,10 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
     block_convs = _basic_block_convs(backbone)
     if kind == "residual":
         if is_vit(backbone):  # the bottleneck adapter on every block's MLP output (adapters/vit.py)
-            _check_rank(backbone, mlp_outputs(backbone), lora_rank)
+            targets = mlp_outputs(backbone)
+            _check_rank(backbone, targets, lora_rank)
             return LoraConfig(
-                target_modules=mlp_outputs(backbone),
+                target_modules=targets,
                 modules_to_save=[*block_layer_norms(backbone), head],
                 r=lora_rank,
                 lora_dropout=dropout,
@@ -413,9 +414,10 @@ def _peft_config(backbone: nn.Module, kind: str, dropout: float, lora_rank: int)
             init_lora_weights=RESIDUAL_INIT,
         )
     if kind == "lora":
-        _check_rank(backbone, _lora_targets(backbone, block_convs, head), lora_rank)
+        targets = _lora_targets(backbone, block_convs, head)
+        _check_rank(backbone, targets, lora_rank)
         return LoraConfig(
-            target_modules=_lora_targets(backbone, block_convs, head),
+            target_modules=targets,
             modules_to_save=[head],
             r=lora_rank,
             lora_alpha=lora_rank,

@@ -25,6 +25,19 @@ def checkpoint_path(directory: Path, completed_rounds: int) -> Path:
     return directory / f"round-{completed_rounds:05d}.safetensors"
 
 
+def checkpointed_rounds(directory: Path) -> int:
+    """The round of the newest checkpoint in `directory`, by its name (0: none)."""
+    return max((int(path.stem.partition("-")[2]) for path in directory.glob(_PATTERN)), default=0)
+
+
+def redo_from_round_1(directory: Path) -> str:
+    """The remedy for a damaged checkpoint in `directory` (a run's checkpoints/): no older one is kept."""
+    return (
+        f"only the newest checkpoint is kept, so delete {directory} and run "
+        f"`peradapt train --out {directory.parent} --resume` to redo the run from round 1"
+    )
+
+
 def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, completed_rounds)
@@ -51,10 +64,7 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
     if not candidates:
         return None
     path = candidates[-1]
-    remedy = (
-        f"only the newest checkpoint is kept, so delete {directory} and run "
-        f"`peradapt train --out {directory.parent} --resume` to redo the run from round 1"
-    )
+    remedy = redo_from_round_1(directory)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -79,9 +89,7 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:

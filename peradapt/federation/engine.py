@@ -46,7 +46,9 @@ from peradapt.evaluation import (
 )
 from peradapt.federation.checkpoint import (
     checkpoint_path,
+    checkpointed_rounds,
     load_latest_checkpoint,
+    redo_from_round_1,
     save_checkpoint,
     write_json_atomic,
     write_text_atomic,
@@ -148,14 +150,13 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
             finally:  # the trackers' runs end as failed unless `_finish` ended them
                 if run.tracking is not None:
                     run.tracking.close()
-        except KeyboardInterrupt:
-            if not resume and _checkpointed_rounds(paths) == 0:
+        except BaseException as error:
+            nothing_kept = not resume and checkpointed_rounds(paths.checkpoints) == 0
+            if nothing_kept:
                 _remove_new_run(paths, created)
-                raise Interrupted(f"no round of {run_dir} had ended, so nothing of it was kept") from None
-            raise Interrupted(_how_to_resume(paths)) from None
-        except BaseException:
-            if not resume and _checkpointed_rounds(paths) == 0:
-                _remove_new_run(paths, created)
+            if isinstance(error, KeyboardInterrupt):
+                kept = f"no round of {run_dir} had ended, so nothing of it was kept"
+                raise Interrupted(kept if nothing_kept else _how_to_resume(paths)) from None
             raise
 
 
@@ -222,10 +223,7 @@ def _check_checkpoint(session: Session, tensors: dict[str, torch.Tensor], path: 
     names and shapes; the method's server state those of its fresh one (or, where that is empty until the first
     round, as FedDyn's h, entries of the adapter state); a client state (memory store) a `clients/<id>/<name>/...`
     name."""
-    remedy = (
-        f"only the newest checkpoint is kept, so delete {path.parent} and run "
-        f"`peradapt train --out {path.parent.parent} --resume` to redo the run from round 1"
-    )
+    remedy = redo_from_round_1(path.parent)
     expected = {name: tuple(tensor.shape) for name, tensor in session.initial.items()}
     fresh_server = {name: tuple(tensor.shape) for name, tensor in session.method.server_state().items()}
     parts: dict[str, dict[str, tuple[int, ...]]] = {GLOBAL_PREFIX: {}, SERVER_PREFIX: {}}
@@ -266,13 +264,8 @@ def _unfinish(paths: RunPaths) -> None:
         evaluation.unlink(missing_ok=True)
 
 
-def _checkpointed_rounds(paths: RunPaths) -> int:
-    """The round of the newest checkpoint in the run directory (0: none)."""
-    return max((int(p.stem.partition("-")[2]) for p in paths.checkpoints.glob("round-*.safetensors")), default=0)
-
-
 def _how_to_resume(paths: RunPaths) -> str:
-    done = _checkpointed_rounds(paths)
+    done = checkpointed_rounds(paths.checkpoints)
     kept = f"rounds 1-{done}" if done else "no finished round yet"
     return f"{paths.root} holds {kept}: continue it with `peradapt train --out {paths.root} --resume`"
 
