@@ -5,7 +5,7 @@
 1. The tests marked `cuda` (tests/test_cuda.py: bf16 against fp32 predictions, channels-last, a crashed and resumed
    GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources), on the
    tests' own synthetic Fashion-MNIST stand-in: no network, no dataset needed.
-2. The benchmark figures that a GPU changes (`bench.py --device cuda --only step,kd`), on random images.
+2. The benchmark figures that a GPU changes (`bench.py --device cuda --only step,kd,concurrent`), on random images.
 3. One JSON: the device, the tests' outcome, the figures. Exit code 0 only when every test passed.
 
 Without a visible CUDA GPU it stops at once with one line (exit 2): it has nothing to check.
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench import ON_DEVICE  # this directory: the script runs as benchmarks/gpu_check.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +42,8 @@ def main() -> None:
         "tests": run_tests(),
     }
     bench_json = args.json.with_suffix(".bench.json")
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", "cuda", "--only", "step,kd"]
-    command += ["--json", str(bench_json), *(["--quick"] if args.quick else [])]
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", "cuda"]
+    command += ["--only", ",".join(ON_DEVICE), "--json", str(bench_json), *(["--quick"] if args.quick else [])]
     finished = subprocess.run(command, cwd=ROOT / "benchmarks", capture_output=True, text=True, check=False)
     results["benchmark"] = json.loads(bench_json.read_text()) if finished.returncode == 0 else None
     results["benchmark_log"] = finished.stdout[-4000:] + finished.stderr[-4000:]

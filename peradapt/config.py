@@ -80,6 +80,9 @@ class FederationConfig:
     holdout_clients: int = 0  # the last K client ids never take part in training (`peradapt personalize` them)
     client_store: str = "auto"  # memory, disk, or auto: disk above DISK_STORE_ABOVE clients (always under Flower)
     engine: str = "builtin"  # builtin (clients simulated in this process) or flower (ServerApp/ClientApp)
+    # The builtin engine trains up to this many of a round's clients at once (peradapt.federation.concurrent);
+    # 1: one after another, the default: on CPU the batched step is slower (docs/BENCHMARKS.md).
+    concurrent_clients: int = 1
 
     def store_kind(self) -> str:
         """Where clients' private state lives between rounds: `memory` or `disk`, `auto` resolved."""
@@ -264,6 +267,7 @@ class TrainConfig:
             "kd_batch_size": distill.kd_batch_size,
             "lora_rank": self.adapter.lora_rank,
             "inner_steps": method.inner_steps,
+            "concurrent_clients": fed.concurrent_clients,
         }
         if method.local_steps is not None:  # None: --local-epochs counts the local work
             positive["local_steps"] = method.local_steps

@@ -20,5 +20,11 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         return engine.train(config, resume=resume, console=console)
     from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
 
+    if config.federation.concurrent_clients > 1:
+        console.print(
+            f"--concurrent-clients {config.federation.concurrent_clients}: each Flower ClientApp trains one client; "
+            "clients train one after another"
+        )
+
     with engine.opened_run(config, resume=resume, console=console) as run:
         return simulate(run, console)

@@ -24,11 +24,12 @@ _LANE_VALUES = 2**16  # a 16-bit lane takes this many values, from -2**15 up
 _LANES_PER_DRAW = 4  # 16-bit lanes in one 64-bit draw
 
 
-def keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
-    """Floats laid out as `like` (a dense tensor, e.g. a BatchNorm output), each 1 with probability 1 - p, else 0."""
+def keep_mask(like: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Floats laid out as `like` (a dense tensor, e.g. a BatchNorm output), each 1 with probability 1 - p, else 0;
+    drawn from `generator` (default: the global one)."""
     count = like.numel()
     draws = torch.empty(-(-count // _LANES_PER_DRAW), dtype=torch.int64, device=like.device)
-    draws.random_(-(2**63), None)  # every bit uniform: the full int64 range
+    draws.random_(-(2**63), None, generator=generator)  # every bit uniform: the full int64 range
     lanes = draws.view(torch.int16)[:count].as_strided(like.shape, like.stride())
     lowest_kept = -(_LANE_VALUES // 2) + round(p * _LANE_VALUES)
     # Lanes are integers, exact as floats: lane - (lowest_kept - 1) is at least 1 for a kept lane, at most 0 otherwise.
@@ -52,5 +53,9 @@ class ChannelProjection(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous(memory_format=torch.channels_last):
             return super().forward(x)
+        return self.channel_product(x)
+
+    def channel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection as a matrix product over the channels of `x` (any layout; fastest in channels-last)."""
         # [N, H, W, C] is a plain view of channels-last memory; the product's result is channels-last again.
         return F.linear(x.permute(0, 2, 3, 1), self.weight.flatten(1)).permute(0, 3, 1, 2)

@@ -164,6 +164,10 @@ class AdaptedModel:
             self._split.append((generic, personal))
         return generic + personal
 
+    def state_names(self) -> list[str]:
+        """The keys of `state`, in its order: trainable parameters, then buffers."""
+        return [*self._parameters, *self._buffers]
+
     def state(self) -> AdapterState:
         tensors = {**self._parameters, **self._buffers}
         return {name: tensor.detach().clone() for name, tensor in tensors.items()}
@@ -193,9 +197,7 @@ class AdaptedModel:
         self.module.eval()
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        outputs = self.module(inputs)
-        # transformers models answer with a ModelOutput; everything here works on the logits alone.
-        return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+        return logits_of(self.module(inputs))
 
     @property
     def weights_file(self) -> str:
@@ -327,6 +329,11 @@ class AdaptedModel:
     def _load_full(self, path: Path) -> AdapterState:
         self.load_state(_read_tensors(path, f"no trained model at {path.parent}", device=str(self.device)))
         return self.state()
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a network's answer: transformers models answer with a ModelOutput, timm's with the tensor."""
+    return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
 
 
 def _read_tensors(path: Path, missing: str, device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -53,6 +53,7 @@ from peradapt.federation.checkpoint import (
     write_json_atomic,
     write_text_atomic,
 )
+from peradapt.federation.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.federation.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.federation.rundir import RunLock, deferred_interrupts
 from peradapt.federation.runfiles import damaged
@@ -60,10 +61,11 @@ from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
 from peradapt.federation.session import RunPaths, Session, build_session, open_session, read_run_config
 from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
+from peradapt.personalize.base import client_steps_of
 from peradapt.progress import progress_display, text_console
 from peradapt.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
 
-RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log")
+RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log", "concurrent_clients")
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
@@ -107,7 +109,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         raise ConfigError(f"--engine {config.federation.engine}: train with peradapt.training.train")
     console = console or text_console(stderr=True)
     with opened_run(config, resume=resume, console=console) as run:
-        return run_federation(run, LocalClients(run.session), console)
+        return run_federation(run, LocalClients(run.session, console), console)
 
 
 @dataclass
@@ -310,18 +312,28 @@ class Clients(Protocol):
 
 
 class LocalClients:
-    """The builtin engine's clients: simulated one after the other in this process, on the session's one model."""
+    """The builtin engine's clients, simulated in this process on the session's one model: one after the other, or
+    up to --concurrent-clients at once (`concurrent_training`)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, console: Console) -> None:
         self.session = session
+        self.concurrent = concurrent_training(session, console)
 
     def train(
         self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
     ) -> list[ClientUpdate]:
-        updates = []
-        for client_id in trained:
-            updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
-            on_client()
+        if self.concurrent is None:
+            updates = []
+            for client_id in trained:
+                updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
+                on_client()
+            return updates
+        updates, together = [], self.session.config.federation.concurrent_clients
+        for start in range(0, len(trained), together):
+            group = trained[start : start + together]
+            updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index)
+            for _ in group:
+                on_client()
         return updates
 
     def personalized(
@@ -340,6 +352,42 @@ def play_client(session: Session, client_id: int, payload: AdapterState, round_i
     client_seed = derive_seed(session.config.seed, round_index, client_id)
     with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
         return session.method.client_update(session.data.clients[client_id], payload, client_seed)
+
+
+def play_clients_together(
+    session: Session,
+    concurrent: ConcurrentSGD,
+    client_ids: list[int],
+    payloads: dict[int, AdapterState],
+    round_index: int,
+) -> list[ClientUpdate]:
+    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`)."""
+    client_steps = client_steps_of(session.method)
+    assert client_steps is not None, "concurrent_training serves only methods whose client update is SGD jobs"
+    steps = [
+        client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
+        for c in client_ids
+    ]
+    return concurrent.run_steps(steps)
+
+
+def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | None:
+    """What trains --concurrent-clients K > 1 clients at once, or None: one after another (K = 1, or a run it cannot
+    serve, which it says)."""
+    together, method = session.config.federation.concurrent_clients, session.config.method.method
+    if together == 1:
+        return None
+    unsupported = unsupported_layers(session.trainer.model.module)
+    if client_steps_of(session.method) is None:
+        reason = f"--method {method} trains clients with update rules of its own, not plain local SGD"
+    elif session.trainer.privacy is not None:
+        reason = "--dp-noise clips and accounts every client's gradients on its own"
+    elif unsupported:
+        reason = f"the model's {unsupported[0]} draws random numbers that cannot be replayed client by client"
+    else:
+        return ConcurrentSGD(session.trainer)
+    console.print(f"--concurrent-clients {together}: {reason}; clients train one after another")
+    return None
 
 
 def _store_directory(kind: str, paths: RunPaths) -> Path | None:

@@ -7,9 +7,9 @@ Every random choice (minibatch order, dropout, augmentation) is drawn from a see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +61,42 @@ class InputPipeline:
         return contextlib.nullcontext()
 
 
+@dataclass
+class SGDJob:
+    """One run of `LocalTrainer.sgd`, as a value: methods whose client update is a few of these (`LocalSGDMethod`)
+    can have several clients' jobs trained together (`peradapt.federation.concurrent`)."""
+
+    start: AdapterState
+    data: ImageSet
+    epochs: int
+    lr: float
+    seed: int
+    anchor: AdapterState | None = None
+    lam: float = 0.0
+    steps: int | None = None
+
+
+SGDResult = tuple[AdapterState, float]  # the final state and the mean training loss
+T = TypeVar("T")
+
+
 def seeded_generator(seed: int) -> torch.Generator:
     """A CPU generator for data order, and the global seed for dropout, both from one number."""
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+def task_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy for class indices; binary cross-entropy per label (mean over labels and batch) for multi-hot
+    labels. With `reduction` "sum", the sum over the batch of each sample's loss."""
+    if labels.dim() == 2:
+        loss = F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
+        return loss / labels.shape[1] if reduction == "sum" else loss  # a sample's loss: the mean over its labels
+    return F.cross_entropy(logits, labels, reduction=reduction)
+
+
+def diverged(loss: float, lr: float) -> TrainingDiverged:
+    return TrainingDiverged(f"training loss became {loss}: lower --lr (now {lr})")
 
 
 @dataclass
@@ -74,6 +106,28 @@ class LocalTrainer:
     batch_size: int
     eval_batch_size: int = 512
     privacy: PrivateTraining | None = None  # --dp-noise: every `sgd` is DP-SGD, its steps charged to the client
+
+    def run(self, job: SGDJob) -> SGDResult:
+        """`sgd` as `job` describes it."""
+        return self.sgd(
+            job.start,
+            job.data,
+            epochs=job.epochs,
+            lr=job.lr,
+            seed=job.seed,
+            anchor=job.anchor,
+            lam=job.lam,
+            steps=job.steps,
+        )
+
+    def run_steps(self, steps: Generator[SGDJob, SGDResult, T]) -> T:
+        """Drive a generator of SGD jobs (e.g. `LocalSGDMethod.client_steps`) to its end, one job after another."""
+        try:
+            job = next(steps)
+            while True:
+                job = steps.send(self.run(job))
+        except StopIteration as finished:
+            return finished.value
 
     def sgd(
         self,
@@ -187,19 +241,11 @@ class LocalTrainer:
             passes += 1
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
-        """Loss of the model as it is loaded: cross-entropy for class indices, binary cross-entropy per label
-        (mean over labels and batch) for multi-hot labels; with `reduction` "sum", the sum over the batch of each
-        sample's loss. Stops the run if it is no longer finite."""
+        """`task_loss` of the model as it is loaded. Stops the run if it is no longer finite."""
         with self.inputs.autocast():
-            logits = self.model(images)
-            if labels.dim() == 2:
-                loss = F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
-                if reduction == "sum":  # a sample's loss is the mean over its labels
-                    loss = loss / labels.shape[1]
-            else:
-                loss = F.cross_entropy(logits, labels, reduction=reduction)
+            loss = task_loss(self.model(images), labels, reduction)
         if not torch.isfinite(loss):
-            raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {lr})")
+            raise diverged(loss.item(), lr)
         return loss
 
     @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later

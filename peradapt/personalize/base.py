@@ -8,7 +8,7 @@ passes the uploads to `server_update`, evaluates and checkpoints. Private per-cl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -19,7 +19,7 @@ from peradapt.config import MethodConfig
 from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
-from peradapt.federation.local import LocalTrainer
+from peradapt.federation.local import LocalTrainer, SGDJob, SGDResult
 from peradapt.federation.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.federation.store import ClientStore
 
@@ -128,7 +128,7 @@ class Method(ABC):
         self.client_update(client, global_state, seed)
         return self.personalized(client.client_id, global_state)
 
-    def local_update(
+    def local_job(
         self,
         client: ClientData,
         start: AdapterState,
@@ -136,11 +136,11 @@ class Method(ABC):
         *,
         anchor: AdapterState | None = None,
         lam: float = 0.0,
-    ) -> tuple[AdapterState, float]:
+    ) -> SGDJob:
         """E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda Algorithm 1,
         line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems)."""
         config = self.config
-        return self.trainer.sgd(
+        return SGDJob(
             start,
             client.train,
             epochs=config.local_epochs,
@@ -157,7 +157,32 @@ class Method(ABC):
         return {"personalized": trainable, "trained": trainable, "communicated": trainable}
 
 
-class ProximalPersonalization(Method):
+ClientSteps = Generator[SGDJob, SGDResult, ClientUpdate]
+
+
+class LocalSGDMethod(Method):
+    """A method whose client update is a few runs of local SGD (`SGDJob`s) and bookkeeping between them, written as
+    the generator `client_steps`: it yields each job and is sent the job's result. `client_update` runs the jobs one
+    after another; the engine may instead train several clients' jobs at once (`--concurrent-clients`,
+    `peradapt.federation.concurrent`), to the same numbers."""
+
+    @abstractmethod
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        """`client_update` as SGD jobs: yield each, receive its (state, mean loss), return the update."""
+
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        return self.trainer.run_steps(self.client_steps(client, global_state, seed))
+
+
+def client_steps_of(method: Method) -> Callable[[ClientData, AdapterState, int], ClientSteps] | None:
+    """`method.client_steps` when the method's client update is exactly those SGD jobs, else None: a method with
+    update rules of its own, including a `LocalSGDMethod` subclass that overrides `client_update` (Per-FedAvg)."""
+    if isinstance(method, LocalSGDMethod) and type(method).client_update is LocalSGDMethod.client_update:
+        return method.client_steps
+    return None
+
+
+class ProximalPersonalization(LocalSGDMethod):
     """Methods whose personalized model is a stored v_m trained proximal to the global w: PerAda, Ditto, FedProx."""
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
@@ -166,22 +191,22 @@ class ProximalPersonalization(Method):
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """A new client's v from v = w: S epochs of the proximal personal update towards the fixed global w."""
         self.store.put(client.client_id, PERSONAL_KEY, global_state)
-        personal, _ = self.proximal_personal_update(client, global_state, seed)
+        personal, _ = self.trainer.run_steps(self.proximal_personal_steps(client, global_state, seed))
         return personal
 
     def stored_personal(self, client_id: int) -> AdapterState:
         """The client's personalized state, or the initial one for a client that was never sampled."""
         return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
 
-    def proximal_personal_update(
+    def proximal_personal_steps(
         self, client: ClientData, global_state: AdapterState, seed: int
-    ) -> tuple[AdapterState, float]:
+    ) -> Generator[SGDJob, SGDResult, SGDResult]:
         """S epochs of v <- v - eta_p (grad L(v) + lam (v - w)) from the stored v, which it replaces.
 
         The personalized update shared by PerAda (Algorithm 1, line 10), Ditto and personalized FedProx (eq. 11).
         """
         config = self.config
-        personal, loss = self.trainer.sgd(
+        personal, loss = yield SGDJob(
             self.stored_personal(client.client_id),
             client.train,
             epochs=config.personal_epochs,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, ProximalPersonalization, register
 
 
 @register
@@ -30,10 +30,10 @@ class Ditto(ProximalPersonalization):
     uses_proximal = True
     supports_dp = True
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        local, local_loss = self.local_update(client, global_state, seed)  # UPDATE_GLOBAL: E epochs from w^t
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        local, local_loss = yield self.local_job(client, global_state, seed)  # UPDATE_GLOBAL: E epochs from w^t
         # S epochs on h_m(v_m; w^t) = F_m(v_m) + lam/2 ||v_m - w^t||^2
-        _, personal_loss = self.proximal_personal_update(client, global_state, seed)
+        _, personal_loss = yield from self.proximal_personal_steps(client, global_state, seed)
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 

@@ -41,7 +41,7 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.federation.seeds import derive_seed
-from peradapt.personalize.base import ClientUpdate, Method, MethodContext, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
 
 ALA = 21  # seed phase of ALA's data sample and of its minibatches
 LOCAL_KEY = "local"  # Θ_i in the ClientStore
@@ -65,7 +65,7 @@ def converged(losses: list[float]) -> bool:
 
 
 @register
-class FedALA(Method):
+class FedALA(LocalSGDMethod):
     name = "fedala"
     summary = "FedALA: adaptive element-wise aggregation of the global into the local model (Zhang et al. 2023)"
 
@@ -74,9 +74,9 @@ class FedALA(Method):
         # --ala-sample, --ala-layers and --ala-lr are range-checked with every setting (`TrainConfig.validate`)
         self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), self.config.ala_layers)
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         start, weights, ala_epochs = self.adaptive_local_aggregation(client, global_state, seed)
-        local, loss = self.local_update(client, start, seed)  # E epochs of SGD from the ALA initialization
+        local, loss = yield self.local_job(client, start, seed)  # E epochs of SGD from the ALA initialization
         self.store.put(client.client_id, LOCAL_KEY, local)
         if weights is not None:
             self.store.put(client.client_id, WEIGHTS_KEY, weights)

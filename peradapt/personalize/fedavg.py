@@ -26,20 +26,20 @@ from typing import ClassVar
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.federation.seeds import derive_seed
-from peradapt.personalize.base import ClientUpdate, Method, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, LocalSGDMethod, Method, register
 
 FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
 
 
 @register
-class FedAvg(Method):
+class FedAvg(LocalSGDMethod):
     name = "fedavg"
     summary = "FedAvg: local SGD from the global model, sample-size weighted mean (McMahan et al., Algorithm 1)"
     default_scope = "full"
     supports_dp = True
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        local, loss = self.local_update(client, global_state, seed)
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        local, loss = yield self.local_job(client, global_state, seed)
         return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:

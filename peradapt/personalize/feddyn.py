@@ -39,7 +39,7 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
-from peradapt.personalize.base import ClientUpdate, MethodContext, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, MethodContext, register
 from peradapt.personalize.fedavg import FedAvg
 
 GRADIENT_KEY = "feddyn_gradient"  # grad L_k(theta_k^{t-1}) in the ClientStore
@@ -73,12 +73,12 @@ class FedDyn(FedAvg):
         sizes = [len(c.train) for c in self.context.clients[: self.num_clients]]
         return alpha * (sum(sizes) / len(sizes)) / len(client.train)
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         alpha = self.client_alpha(client)
         names = list(self.trainer.model.trainable_parameters())
         gradient = self.store.get(client.client_id, GRADIENT_KEY) or zeros(global_state, names)
         anchor = {n: global_state[n] + gradient[n] / alpha for n in names}  # a_k = theta^{t-1} + grad L_k / alpha
-        local, loss = self.local_update(
+        local, loss = yield self.local_job(
             client,
             global_state,
             seed,

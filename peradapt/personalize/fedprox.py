@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, ProximalPersonalization, register
 
 
 @register
@@ -45,9 +45,9 @@ class FedProx(ProximalPersonalization):
     uses_proximal = True
     supports_dp = True
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         # eq. (11): K steps on h_i(., w_g) from the warm start w_{t-1,K}
-        personal, loss = self.proximal_personal_update(client, global_state, seed)
+        personal, loss = yield from self.proximal_personal_steps(client, global_state, seed)
         return ClientUpdate(client.client_id, personal, len(client.train), {"personal_loss": loss})
 
     def server_update(

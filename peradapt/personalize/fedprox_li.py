@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, register
 from peradapt.personalize.fedavg import FedAvg
 
 
@@ -33,9 +33,9 @@ class FedProxLi(FedAvg):
     name = "fedprox-li"
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w^t||^2 in the local problem (Li et al., Alg. 2)"
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         config = self.config
-        local, loss = self.local_update(
+        local, loss = yield self.local_job(
             client,
             global_state,
             seed,

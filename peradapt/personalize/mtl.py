@@ -47,7 +47,7 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.personalize.base import PERSONAL_KEY, ClientUpdate, Method, MethodContext, register
+from peradapt.personalize.base import PERSONAL_KEY, ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
 
 OMEGAS = ("mean", "learned")
 OMEGA_KK = "mtl.omega_kk"  # the payload's entry holding Ω_kk beside the anchor a_k
@@ -69,7 +69,7 @@ def relationship_omega(gram: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class MTL(Method):
+class MTL(LocalSGDMethod):
     name = "mtl"
     summary = "federated multi-task learning: a model per client, tr(WΩWᵀ) couples them (Smith et al. 2017)"
     default_aggregation = None  # the server keeps every client's model, it averages nothing
@@ -120,7 +120,7 @@ class MTL(Method):
             payload[name] = (-others / diagonal).to(device)
         return payload
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         """E epochs of w_k <- w_k - eta (grad L_k(w_k) + lam Ω_kk (w_k - a_k)); `global_state` is the payload."""
         config = self.config
         strength = config.lam * float(global_state[OMEGA_KK])
@@ -129,7 +129,7 @@ class MTL(Method):
                 f"MTL's pull lam·Ω_kk = {strength:.4g} on client {client.client_id} times --lr {config.lr} is at "
                 f"least 2, where its steps diverge: lower --lam (now {config.lam})"
             )
-        own, loss = self.local_update(
+        own, loss = yield self.local_job(
             client,
             self.personalized(client.client_id, global_state),
             seed,
@@ -171,12 +171,8 @@ class MTL(Method):
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """Task M + 1 with the federation's models fixed: anchor w̄, strength lam M / (M + 1), from w̄."""
         config, m = self.config, self.num_clients
-        own, _ = self.local_update(
-            client,
-            global_state,
-            seed,
-            anchor=global_state,
-            lam=config.lam * m / (m + 1),
+        own, _ = self.trainer.run(
+            self.local_job(client, global_state, seed, anchor=global_state, lam=config.lam * m / (m + 1))
         )
         return own
 

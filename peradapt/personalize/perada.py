@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, ProximalPersonalization, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, ProximalPersonalization, register
 
 
 @register
@@ -34,9 +34,9 @@ class PerAda(ProximalPersonalization):
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
     supports_dp = True
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        _, personal_loss = self.proximal_personal_update(client, global_state, seed)  # line 10
-        local, local_loss = self.local_update(client, global_state, seed)  # lines 12-15
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        _, personal_loss = yield from self.proximal_personal_steps(client, global_state, seed)  # line 10
+        local, local_loss = yield self.local_job(client, global_state, seed)  # lines 12-15
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 

@@ -15,21 +15,21 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.personalize.base import ClientUpdate, Method, register
+from peradapt.personalize.base import ClientSteps, ClientUpdate, LocalSGDMethod, register
 
 OWN_KEY = "own"
 
 
 @register
-class Standalone(Method):
+class Standalone(LocalSGDMethod):
     name = "standalone"
     summary = "each client trains alone on its own data; nothing is communicated (PerAda Table 1)"
     default_scope = "full"
     default_aggregation = None  # nothing is sent, nothing averaged
     supports_dp = True
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        own, loss = self.local_update(client, self.personalized(client.client_id, global_state), seed)
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        own, loss = yield self.local_job(client, self.personalized(client.client_id, global_state), seed)
         self.store.put(client.client_id, OWN_KEY, own)
         return ClientUpdate(client.client_id, {}, len(client.train), {"local_loss": loss})
 
