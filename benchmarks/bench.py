@@ -33,19 +33,25 @@ import torch.nn.functional as F
 
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
-from peradapt.config import DistillConfig, MethodConfig
+from peradapt.config import DistillConfig, MethodConfig, TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.distill import Distiller, ensemble_logits
 from peradapt.federation.concurrent import ConcurrentSGD
 from peradapt.federation.local import InputPipeline, LocalTrainer
 from peradapt.federation.seeds import SERVER, derive_seed
+from peradapt.federation.session import CLIENT_SAMPLE
 from peradapt.federation.store import ClientStore
 from peradapt.personalize import MethodContext, build_method
 from peradapt.personalize.base import LocalSGDMethod, Method
+from peradapt.presets import preset_settings
 
 CLASSES = 10
 CHANNELS = 3
 MEAN, STD = (0.5,) * CHANNELS, (0.25,) * CHANNELS
+# The run `estimate` prices: the preset's settings, and CIFAR-10's sizes (50,000 training images of which the server
+# keeps 1/10 for validation, peradapt.data.federation; 10,000 test images, all divided among the clients).
+ESTIMATE_PRESET = "perada-cifar10"
+CIFAR10_TRAIN, CIFAR10_TEST, CIFAR10_VAL_SHARE = 50_000, 10_000, 0.1
 LAM, LR, DROPOUT = 1.0, 0.01, 0.3  # the paper's λ, client learning rate and adapter dropout
 GPU_GOALS = {"concurrent_vs_sequential": (4.0, True)}  # on CPU, measured with no goal: compute, not launches, binds
 GOALS = {  # (key, goal, whether bigger is better)
@@ -83,6 +89,9 @@ class Settings:
     scale_client_images: int = 2  # Fashion-MNIST's client pool (25,000 images) has 2 for each of 10,000 clients
     scale_rounds: int = 6
     scale_repeats: int = 3
+    estimate_kd_batch_size: int = 256  # on a CPU; on a GPU the preset's own 2048 (see estimate)
+    estimate_kd_steps: int = 4  # per timed distillation: its steps 2.. are timed
+    estimate_val_images: int = 512  # on a CPU (one inference chunk); on a GPU the preset's 5,000
     quick: bool = False
     device: str = "cpu"  # --device: cuda measures the GPU path (bf16 autocast, channels-last)
 
@@ -98,6 +107,8 @@ QUICK = Settings(
     round_epochs=1,
     round_repeats=3,
     scale_repeats=2,
+    estimate_kd_batch_size=64,
+    estimate_kd_steps=3,
     quick=True,
 )
 
@@ -150,13 +161,15 @@ def random_images(count: int, settings: Settings, seed: int, labeled: bool = Tru
     return ImageSet(images, labels, CLASSES)
 
 
-def adapted_trainer(settings: Settings, batch_size: int | None = None) -> LocalTrainer:
+def adapted_trainer(
+    settings: Settings, batch_size: int | None = None, *, frozen_bn: str = "eval", augment: str = "none"
+) -> LocalTrainer:
     """PerAda's model: the frozen backbone with residual adapters (random weights: speed does not depend on them)."""
     torch.manual_seed(0)
     backbone = freeze(create_backbone(settings.backbone, CLASSES, CHANNELS))
     on_device(backbone, settings)
-    model = inject_adapters(backbone, "residual", dropout=DROPOUT, lora_rank=8)
-    pipeline = InputPipeline(MEAN, STD, torch.device(settings.device))
+    model = inject_adapters(backbone, "residual", dropout=DROPOUT, lora_rank=8, frozen_bn=frozen_bn)
+    pipeline = InputPipeline(MEAN, STD, torch.device(settings.device), augment=augment)
     return LocalTrainer(model, pipeline, batch_size or settings.batch_size)
 
 
@@ -415,6 +428,156 @@ class BareLoop:
         return [t.detach().clone() for t in self.tensors]
 
 
+# ---------------------------------------------------------------- cost of a paper-shaped run
+
+
+def estimate(settings: Settings) -> dict:
+    """Hours of a whole PerAda run on CIFAR-10 as preset perada-cifar10 sets it, from unit times measured here on
+    random 32 px images with the preset's model (ResNet-18, residual adapters, dropout 0.3, frozen_bn train) and
+    inputs (crop-flip), through peradapt's own code:
+
+    - t_p, t_l: one personal (proximal) and one local step of `LocalTrainer.sgd`, batch 64;
+    - t_kd(B): one distillation step of `Distiller.distill` (kd_mode train, kd_augment crop-flip) at batch B with
+      the 8 sampled clients as teachers, less the validation check that follows it (kd_eval_every 1): the time
+      between two steps' `on_step` calls less the `trainer.score` call between them. In train mode (and with
+      augmented images) the 8 teachers run on every batch, so a step is 8 teacher forwards and one student
+      forward and backward of B images: t_kd scales as B;
+    - t_i: inference of one image (eval mode, chunks of 512): the validation checks' `trainer.score`, per image.
+
+    With n = 45,000 / 20 client images (CIFAR-10 less the server's 5,000 validation images), s = ceil(n / 64)
+    steps per epoch, K = 8 clients per round, E = S = 10 local and personal epochs, R = 200 rounds:
+        client side  = R K s (S t_p + E t_l)
+        distillation = rounds distilling x [500 t_kd(B) 2048 / B + 501 checks x 5,000 t_i]   (one check before)
+        evaluation   = (R / 2 x 30,000 + 230,000) t_i
+    30,000 images every 2 rounds: every client's test split with its personalized and with the global adapter,
+    and the global adapter on all 10,000 test images; the final evaluation adds each of the 20 personalized
+    adapters on all 10,000. Rounds distilling: the authors' 30 (`estimate_run_hours`) or all 200, Algorithm 1
+    (`estimate_run_hours_kd_every_round`). Not counted: averaging, checkpoints, data loading.
+
+    On a CPU the distillation batch and validation split are scaled down (per-image costs hold there); on a GPU
+    the preset's own 2048 and 5,000 are measured, as per-image costs there fall with the batch."""
+    config = TrainConfig.from_flat(preset_settings(ESTIMATE_PRESET))
+    fed, method, distill = config.federation, config.method, config.distill
+    gpu = settings.device == "cuda"
+    val_images = round(CIFAR10_TRAIN * CIFAR10_VAL_SHARE)
+    kd_batch = distill.kd_batch_size if gpu else settings.estimate_kd_batch_size
+    measured_val = val_images if gpu else settings.estimate_val_images
+    kd_steps = max(settings.estimate_kd_steps, 2)  # steps 2.. follow a check: the first is not timed
+
+    trainer = adapted_trainer(settings, method.batch_size, frozen_bn=method.frozen_bn, augment=config.data.augment)
+    model = trainer.model
+    start, anchor = model.state(), perturbed(model, seed=2)
+    data = random_images(method.batch_size * settings.step_batches, settings, seed=1)
+
+    def sgd(proximal: bool) -> Callable[[], None]:
+        def run() -> None:
+            trainer.sgd(
+                start, data, epochs=1, lr=method.lr, seed=0, anchor=anchor if proximal else None, lam=method.lam
+            )
+
+        return run
+
+    steps = interleaved({"personal": sgd(True), "local": sgd(False)}, settings.repeats)
+    personal_s = statistics.median(steps["personal"]) / settings.step_batches
+    local_s = statistics.median(steps["local"]) / settings.step_batches
+
+    teachers = [perturbed(model, seed=10 + t) for t in range(fed.clients_per_round)]
+    student = {k: v.clone() for k, v in teachers[0].items()}
+    kd_data = random_images(kd_batch, settings, seed=4, labeled=False)
+    val_data = random_images(measured_val, settings, seed=5)
+    kd_config = replace(distill, kd_steps=kd_steps, kd_batch_size=kd_batch)
+    kd_inputs = replace(trainer.inputs, augment=distill.kd_augment)
+    distiller = Distiller(trainer, kd_data, val_data, kd_config, kd_inputs)
+    checks: list[float] = []  # seconds of each validation check, as the distillation makes it
+    score = trainer.score
+
+    def timed_score(state: AdapterState, images: ImageSet) -> float:
+        synchronize()
+        began = time.perf_counter()
+        value = score(state, images)
+        synchronize()
+        checks.append(time.perf_counter() - began)
+        return value
+
+    trainer.score = timed_score  # type: ignore[method-assign]
+    calls: list[tuple[list[float], list[float]]] = []  # per distillation: its on_step times, its checks
+
+    def distillation() -> None:
+        marks: list[float] = []
+
+        def on_step(step: int) -> None:
+            synchronize()
+            marks.append(time.perf_counter())
+
+        checks.clear()
+        distiller.distill(student, teachers, seed=0, on_step=on_step)
+        calls.append((marks, list(checks)))
+
+    augmented = kd_inputs(kd_data.images, torch.Generator().manual_seed(6))
+
+    def teacher_logits() -> None:
+        distiller._teacher_logits(teachers, augmented, model.train)
+
+    times = interleaved({"distill": distillation, "teachers": teacher_logits}, settings.kd_repeats)
+    timed = calls[1:]  # the first is the warm-up
+    # Between on_step k and k+1: check k (checks[k]; checks[0] is the one before the first step), then step k+1.
+    kd_step_measured = statistics.median(
+        marks[k + 1] - marks[k] - made[k + 1] for marks, made in timed for k in range(len(marks) - 1)
+    )
+    inference_image_s = statistics.median(c for _, made in timed for c in made) / measured_val
+
+    client_images = round(CIFAR10_TRAIN * (1 - CIFAR10_VAL_SHARE)) / fed.clients
+    steps_per_epoch = -(-round(client_images) // method.batch_size)  # a last partial batch is a step too
+    client_round_s = (
+        fed.clients_per_round * steps_per_epoch * (method.personal_epochs * personal_s + method.local_epochs * local_s)
+    )
+    check_every = distill.kd_eval_every or max(1, distill.kd_steps // 10)
+    kd_checks = 1 + -(-distill.kd_steps // check_every)  # the starting mean's, then every check_every and the last
+    kd_step_s = kd_step_measured * distill.kd_batch_size / kd_batch
+    kd_phase_s = distill.kd_steps * kd_step_s + kd_checks * val_images * inference_image_s
+    kd_rounds = min(distill.kd_rounds or fed.rounds, fed.rounds)
+    evaluated = min(fed.clients, CLIENT_SAMPLE)
+    local_test = CIFAR10_TEST * evaluated // fed.clients  # the evaluated clients' test splits
+    evaluations = fed.rounds // fed.eval_every if fed.eval_every else 0
+    check_images = 2 * local_test + CIFAR10_TEST  # personalized and global on local test, global on global test
+    final_images = check_images + evaluated * CIFAR10_TEST  # and each personalized adapter on global test
+    evaluation_images = evaluations * check_images + final_images
+    client_s = fed.rounds * client_round_s
+    evaluation_s = evaluation_images * inference_image_s
+    hours = 1 / 3600
+    return {
+        "estimate_run_hours": (client_s + kd_rounds * kd_phase_s + evaluation_s) * hours,
+        "estimate_run_hours_kd_every_round": (client_s + fed.rounds * kd_phase_s + evaluation_s) * hours,
+        "estimate_client_side_hours": client_s * hours,
+        "estimate_distillation_hours": kd_rounds * kd_phase_s * hours,
+        "estimate_distillation_hours_every_round": fed.rounds * kd_phase_s * hours,
+        "estimate_evaluation_hours": evaluation_s * hours,
+        "estimate_client_step_s": (personal_s + local_s) / 2,
+        "estimate_client_personal_step_s": personal_s,
+        "estimate_client_local_step_s": local_s,
+        "estimate_kd_step_s": kd_phase_s / distill.kd_steps,  # at 2048 images, with its validation check
+        "estimate_kd_step_without_check_s": kd_step_s,
+        "estimate_kd_measured_batch": kd_batch,
+        "estimate_kd_measured_step_s": kd_step_measured,
+        "estimate_kd_teacher_share": statistics.median(times["teachers"]) / kd_step_measured,
+        "estimate_kd_phase_s": kd_phase_s,
+        "estimate_inference_image_s": inference_image_s,
+        "estimate_rounds": fed.rounds,
+        "estimate_client_images": client_images,
+        "estimate_client_steps_per_round": fed.clients_per_round
+        * steps_per_epoch
+        * (method.personal_epochs + method.local_epochs),
+        "estimate_kd_rounds": kd_rounds,
+        "estimate_kd_steps": distill.kd_steps,
+        "estimate_kd_batch_size": distill.kd_batch_size,
+        "estimate_kd_teachers": fed.clients_per_round,
+        "estimate_kd_checks_per_round": kd_checks,
+        "estimate_kd_val_images": val_images,
+        "estimate_evaluations": evaluations,
+        "estimate_evaluation_images": evaluation_images,
+    }
+
+
 # ---------------------------------------------------------------- scale
 
 
@@ -542,8 +705,9 @@ BENCHMARKS: dict[str, Callable[[Settings], dict]] = {
     "kd": kd_phase_vs_student_only,
     "engine": engine_overhead,
     "concurrent": concurrent_vs_sequential,
+    "estimate": estimate,
 }
-ON_DEVICE = ("step", "kd", "concurrent")  # the figures --device moves to a GPU
+ON_DEVICE = ("step", "kd", "concurrent", "estimate")  # the figures --device moves to a GPU
 
 
 def main() -> None:

@@ -367,7 +367,8 @@ def train(
     engine: Annotated[
         str | None,
         Opt(
-            help="builtin (clients simulated one after the other in this process) or flower (the same rounds with "
+            help="builtin (clients simulated in this process, one after the other or --concurrent-clients at once) "
+            "or flower (the same rounds with "
             "clients in Flower ClientApps, simulated here with Ray; docs/DEPLOY.md runs them on other machines). "
             f"{_default('engine')}"
         ),

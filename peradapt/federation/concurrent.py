@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -254,7 +255,7 @@ class ConcurrentSGD:
 
     def _result(self, lane: _Lane, state: dict[str, torch.Tensor]) -> SGDResult:
         losses = torch.stack(lane.losses).tolist() if lane.losses else []
-        bad = next((loss for loss in losses if not torch.isfinite(torch.tensor(loss))), None)
+        bad = next((loss for loss in losses if not math.isfinite(loss)), None)
         if bad is not None:
             raise diverged(bad, lane.job.lr)
         return {name: tensor.clone() for name, tensor in state.items()}, sum(losses) / max(len(losses), 1)

@@ -1,0 +1,318 @@
+"""Concurrent clients (`--concurrent-clients`, peradapt.federation.concurrent): several clients' local SGD in one
+batched pass through the shared model, equal to the update rule computed by hand and to one-after-another training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from peradapt.adapters import inject_adapters
+from peradapt.backbones import create_backbone, freeze
+from peradapt.config import TrainConfig
+from peradapt.data import ImageSet
+from peradapt.federation.concurrent import ConcurrentSGD
+from peradapt.federation.engine import LocalClients
+from peradapt.federation.local import InputPipeline, LocalTrainer, SGDJob
+from peradapt.federation.seeds import SERVER, derive_seed
+from peradapt.federation.session import build_session
+from peradapt.personalize import METHODS
+from peradapt.personalize.base import LocalSGDMethod
+
+from .conftest import TINY_BACKBONE, TINY_VIT
+from .test_cli import crash_after_round, results, run_cli, tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = {"atol": 2e-5, "rtol": 2e-5}
+# Methods whose client update is plain local SGD (LocalSGDMethod.client_steps), which train concurrently; the
+# others have update rules of their own (pFedMe's inner problem, APFL's mixture, partial models' per-part rates...).
+CONCURRENT = {
+    "perada",
+    "perada-nokd",
+    "ditto",
+    "fedprox",
+    "fedavg",
+    "fedavg-ft",
+    "fedprox-li",
+    "feddyn",
+    "feddf",
+    "mtl",
+    "standalone",
+    "fedala",
+}
+
+
+def trainer(backbone: str = TINY_BACKBONE, kind: str = "residual", dropout: float = 0.0) -> LocalTrainer:
+    torch.manual_seed(0)
+    model = inject_adapters(
+        freeze(create_backbone(backbone, num_classes=3, in_chans=1)), kind, dropout=dropout, lora_rank=2
+    )
+    return LocalTrainer(model, InputPipeline(mean=(0.5,), std=(0.5,), device=torch.device("cpu")), batch_size=8)
+
+
+def images(count: int, seed: int, size: int = 16) -> ImageSet:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (count, 1, size, size), dtype=torch.uint8, generator=generator)
+    return ImageSet(pixels, torch.randint(0, 3, (count,), generator=generator), num_classes=3)
+
+
+def moved(trainer: LocalTrainer, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    """The model's state with its trainable tensors moved off their start (LoRA's B starts at zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = trainer.model.state()
+    for name in trainer.model.trainable_parameters():
+        state[name] = state[name] + scale * torch.randn(state[name].shape, generator=generator)
+    return state
+
+
+# ---------------------------------------------------------------- the update rule, by hand
+
+
+def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand():
+    """Three clients at once, full batches (one batch = the client's data, so minibatch order cannot matter), three
+    steps each of v <- v - lr (grad L(v) + lam (v - w)) (PerAda Algorithm 1, line 10), each with its own lr, lam and
+    anchor (none for the second: plain SGD, line 15); computed here with autograd on the model, client by client."""
+    trainer_ = trainer()
+    model, module = trainer_.model, trainer_.model.module
+    w = moved(trainer_, seed=9)
+    jobs = [
+        SGDJob(moved(trainer_, seed=1), images(8, seed=1), epochs=3, lr=0.1, seed=11, anchor=w, lam=0.5),
+        SGDJob(moved(trainer_, seed=2), images(6, seed=2), epochs=3, lr=0.05, seed=12),
+        SGDJob(moved(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.2, seed=13, anchor=w, lam=2.0),
+    ]
+    together = ConcurrentSGD(trainer_).run(jobs)
+
+    for job, (state, loss) in zip(jobs, together, strict=True):
+        model.load_state(job.start)
+        model.train()
+        parameters = model.trainable_parameters()
+        x = (job.data.images.float() / 255 - 0.5) / 0.5
+        losses = []
+        for _ in range(3):
+            step_loss = torch.nn.functional.cross_entropy(module(x), job.data.labels)  # BN statistics update here
+            gradients = torch.autograd.grad(step_loss, list(parameters.values()))
+            with torch.no_grad():
+                for (name, v), g in zip(parameters.items(), gradients, strict=True):
+                    pull = job.lam * (v - job.anchor[name]) if job.anchor is not None else 0.0
+                    v -= job.lr * (g + pull)
+            losses.append(step_loss.item())
+        by_hand = model.state()
+        assert state.keys() == by_hand.keys()
+        for name in by_hand:
+            assert_close(state[name], by_hand[name], **TOL, msg=name)
+        assert loss == pytest.approx(sum(losses) / 3, rel=1e-5)
+        assert any(not torch.equal(state[n], job.start[n]) for n in parameters)  # it trained
+
+
+# ---------------------------------------------------------------- equal to one after another
+
+
+@pytest.mark.parametrize(
+    ("backbone", "kind", "size"),
+    [(TINY_BACKBONE, "residual", 16), (TINY_BACKBONE, "lora", 16), (TINY_VIT, "residual", 32), (TINY_VIT, "lora", 32)],
+)
+def test_concurrent_training_equals_one_client_after_another(backbone, kind, size):
+    """Ragged clients (13, 20, 7 and 9 images at batch 8: last batches of 5, 4, 7 and 9, one client done after one
+    batch per epoch), dropout 0.3, anchors, rates and step counts differing: every state and mean loss as
+    `LocalTrainer.sgd` gives them one job after another, to float rounding."""
+    trainer_ = trainer(backbone, kind, dropout=0.3)
+    w = moved(trainer_, seed=7)
+    jobs = [
+        SGDJob(moved(trainer_, seed=1), images(13, 1, size), epochs=2, lr=0.05, seed=101, anchor=w, lam=1.0),
+        SGDJob(moved(trainer_, seed=2), images(20, 2, size), epochs=2, lr=0.05, seed=102),
+        SGDJob(moved(trainer_, seed=3), images(7, 3, size), epochs=1, lr=0.1, seed=103, anchor=w, lam=0.3),
+        SGDJob(moved(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
+    ]
+    alone = [trainer_.run(job) for job in jobs]
+    together = ConcurrentSGD(trainer_).run(jobs)
+    for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
+        assert state.keys() == expected.keys()
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert max((state[n] - job.start[n]).abs().max() for n in trainer_.model.trainable_parameters()) > 1e-3
+
+
+def test_dropout_masks_are_each_clients_own():
+    """The agreement above rests on each client's dropout masks: with another job's seed (so other masks, the same
+    minibatch order being irrelevant on a full batch), the same client lands far outside the tolerance."""
+    trainer_ = trainer(dropout=0.5)
+    start, data = moved(trainer_, seed=1), images(8, 1)
+    first, _ = trainer_.run(SGDJob(start, data, epochs=3, lr=0.1, seed=5))
+    (same, _), (other, _) = ConcurrentSGD(trainer_).run(
+        [SGDJob(start, data, epochs=3, lr=0.1, seed=5), SGDJob(start, data, epochs=3, lr=0.1, seed=6)]
+    )
+    names = list(trainer_.model.trainable_parameters())
+    assert max((same[n] - first[n]).abs().max() for n in names) < 1e-5
+    assert max((other[n] - first[n]).abs().max() for n in names) > 1e-3
+
+
+def test_generators_of_jobs_are_driven_side_by_side():
+    """`run_steps`: each generator's next job trained with the others'; one that yields nothing finishes at once."""
+    trainer_ = trainer()
+    start = moved(trainer_, seed=1)
+    sizes_seen: list[int] = []
+    original = ConcurrentSGD.run
+
+    def counting_run(self, jobs):
+        sizes_seen.append(len(jobs))
+        return original(self, jobs)
+
+    def client(seed: int, jobs: int):
+        losses = []
+        for index in range(jobs):
+            _, loss = yield SGDJob(start, images(8, seed), epochs=1, lr=0.05, seed=seed * 10 + index)
+            losses.append(loss)
+        return seed, losses
+
+    concurrent = ConcurrentSGD(trainer_)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ConcurrentSGD, "run", counting_run)
+        finished = concurrent.run_steps([client(1, 2), client(2, 0), client(3, 1)])
+    assert sizes_seen == [2, 1]  # clients 1 and 3, then client 1's second job
+    assert [seed for seed, _ in finished] == [1, 2, 3]
+    assert [len(losses) for _, losses in finished] == [2, 0, 1]
+    alone = trainer_.run_steps(client(1, 2))
+    assert alone[1] == pytest.approx(finished[0][1], rel=1e-5)
+
+
+def test_a_diverging_client_stops_the_run_with_the_sequential_message():
+    trainer_ = trainer()
+    jobs = [SGDJob(moved(trainer_, seed=k), images(8, k), epochs=3, lr=1e30, seed=k) for k in (1, 2)]
+    with pytest.raises(Exception, match=r"training loss became (nan|inf): lower --lr \(now 1e\+30\)"):
+        ConcurrentSGD(trainer_).run(jobs)
+
+
+# ---------------------------------------------------------------- every method of the local-SGD shape
+
+
+def test_the_methods_that_train_concurrently():
+    served = {name for name, cls in METHODS.items() if issubclass(cls, LocalSGDMethod)}
+    served -= {name for name, cls in METHODS.items() if cls.client_update is not LocalSGDMethod.client_update}
+    assert served == CONCURRENT
+
+
+def tiny_session(fmnist_dir: Path, method: str, concurrent: int):
+    settings = {
+        "data": "fmnist",
+        "data_dir": str(fmnist_dir),
+        "backbone": TINY_BACKBONE,
+        "clients": 4,
+        "clients_per_round": 3,
+        "partition": "dir:0.5",
+        "local_epochs": 1,
+        "personal_epochs": 1,
+        "lr": 0.01,  # full-model training at higher rates amplifies rounding past any fixed tolerance
+        "batch_size": 32,
+        "kd_steps": 2,
+        "kd_batch_size": 32,
+        "device": "cpu",
+        "method": method,
+        "concurrent_clients": concurrent,
+    }
+    return build_session(TrainConfig.from_flat(settings))
+
+
+def assert_states_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert_close(actual[name], tensor, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("method", sorted(CONCURRENT))
+def test_every_local_sgd_method_gives_the_same_rounds_concurrently(method, fmnist_dir, home):
+    """Two rounds of 3 sampled clients out of 4 through the builtin engine's clients, one after another and 3 at
+    once: each round's uploads and client metrics, and at the end every client's personalized state (stored state
+    included: Ditto's and PerAda's v_m, FedDyn's gradient, MTL's models, FedALA's weights). Both sessions get the
+    same server steps, from the one-after-another uploads: a server's own arithmetic (Adam's normalized steps in
+    distillation) would turn rounding into steps of its learning rate, which says nothing about the clients."""
+    alone, together = tiny_session(fmnist_dir, method, 1), tiny_session(fmnist_dir, method, 3)
+    assert_states_close(together.initial, alone.initial)
+    sessions = {"alone": alone, "together": together}
+    clients = {way: LocalClients(session, Console(quiet=True)) for way, session in sessions.items()}
+    assert clients["alone"].concurrent is None and clients["together"].concurrent is not None
+    global_state = alone.initial
+    for round_index, sampled in enumerate(([0, 1, 3], [0, 2, 3])):
+        updates = {}
+        for way, session in sessions.items():
+            payloads = {c: session.method.payload(c, global_state) for c in sampled}
+            updates[way] = clients[way].train(round_index, sampled, payloads, lambda: None)
+        for update, expected in zip(updates["together"], updates["alone"], strict=True):
+            assert update.client_id == expected.client_id
+            assert_states_close(update.upload, expected.upload)
+            assert update.metrics == pytest.approx(expected.metrics, rel=1e-4)
+        seed = derive_seed(0, round_index, SERVER)
+        next_state, _ = alone.method.server_update(global_state, updates["alone"], seed, round_index)
+        together.method.server_update(global_state, updates["alone"], seed, round_index)  # its server state too
+        global_state = next_state
+    if method != "fedavg-ft":  # its personalized model is fine-tuned at evaluation time, one client after another
+        for client_id in range(4):
+            expected = alone.method.personalized(client_id, global_state)
+            assert_states_close(together.method.personalized(client_id, global_state), expected)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def run_dir_adapters(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {str(p.relative_to(run)): load_file(p) for p in sorted(run.glob("clients/*/*.safetensors"))}
+
+
+def test_train_with_concurrent_clients_end_to_end(fmnist_dir, home, tmp_path, capsys, monkeypatch):
+    """`--concurrent-clients 2` on PerAda: the exported adapters and the report agree with a run one client after
+    another; a crashed concurrent run resumes to identical files; it may change on --resume, and is recorded in
+    config.json."""
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    assert run_cli(tiny_args(fmnist_dir, alone), capsys, monkeypatch)[0] == 0
+    code, _, err = run_cli(tiny_args(fmnist_dir, together, "--concurrent-clients", "2"), capsys, monkeypatch)
+    assert code == 0, err
+    assert "one after another" not in err
+    adapters, expected = run_dir_adapters(together), run_dir_adapters(alone)
+    assert adapters.keys() == expected.keys() and len(expected) == 4
+    for path, tensors in expected.items():
+        for name, tensor in tensors.items():
+            assert_close(adapters[path][name], tensor, atol=1e-4, rtol=1e-4, msg=f"{path} {name}")
+    report, expected_report = (json.loads((run / "report.json").read_text()) for run in (together, alone))
+    for key, value in expected_report["summary"].items():
+        assert report["summary"][key] == pytest.approx(value, abs=0.02), key
+    assert json.loads((together / "config.json").read_text())["config"]["federation"]["concurrent_clients"] == 2
+
+    crashed = tmp_path / "crashed"
+    crash_after_round(2, tiny_args(fmnist_dir, crashed, "--concurrent-clients", "2"), capsys, monkeypatch)
+    code, _, err = run_cli(tiny_args(fmnist_dir, crashed, "--resume"), capsys, monkeypatch)
+    assert code == 0, err
+    assert results(crashed) == results(together)  # a crashed concurrent run resumes to the very same files
+
+    resumed = tiny_args(fmnist_dir, alone, "--rounds", "4", "--concurrent-clients", "3", "--resume")
+    code, _, err = run_cli(resumed, capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads((alone / "config.json").read_text())["config"]["federation"]["concurrent_clients"] == 3
+    assert len((alone / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--method", "apfl"], "--method apfl trains clients with update rules of its own"),
+        (["--adapter", "lora", "--dp-noise", "1", "--dp-clip", "1"], "--dp-noise clips and accounts"),
+    ],
+)
+def test_runs_it_cannot_serve_say_so_and_train_one_after_another(
+    extra, reason, fmnist_dir, home, tmp_path, capsys, monkeypatch
+):
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    assert run_cli(tiny_args(fmnist_dir, alone, "--rounds", "1", *extra), capsys, monkeypatch)[0] == 0
+    args = tiny_args(fmnist_dir, together, "--rounds", "1", "--concurrent-clients", "4", *extra)
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    assert f"--concurrent-clients 4: {reason}" in err and "clients train one after another" in err
+    assert run_dir_adapters(together).keys() == run_dir_adapters(alone).keys()
+    for path, tensors in run_dir_adapters(alone).items():
+        for name, tensor in tensors.items():
+            assert torch.equal(run_dir_adapters(together)[path][name], tensor)  # the sequential code path itself
