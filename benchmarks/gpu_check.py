@@ -3,9 +3,11 @@
     python benchmarks/gpu_check.py [--json gpu-check.json] [--quick]
 
 1. The tests marked `cuda` (tests/test_cuda.py: bf16 against fp32 predictions, channels-last, a crashed and resumed
-   GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources), on the
+   GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources,
+   concurrent clients agreeing with one after another and resuming bit-identically), on the
    tests' own synthetic Fashion-MNIST stand-in: no network, no dataset needed.
-2. The benchmark figures that a GPU changes (`bench.py --device cuda --only step,kd,concurrent`), on random images.
+2. The benchmark figures that a GPU changes (`bench.py --device cuda --only` the `ON_DEVICE` figures: step, kd,
+   concurrent, estimate), on random images.
 3. One JSON: the device, the tests' outcome, the figures. Exit code 0 only when every test passed.
 
 Without a visible CUDA GPU it stops at once with one line (exit 2): it has nothing to check.

@@ -377,7 +377,8 @@ def train(
         int | None,
         Opt(
             help="Train up to K of a round's clients at once on the one device, sharing the frozen backbone (one "
-            "batched pass for all of them); the same numbers as one after another, to float rounding. For methods "
+            "batched pass for all of them); on CPU the same numbers as one after another, to float rounding (on a "
+            "GPU, other dropout draws). For methods "
             "whose client update is local SGD (perada, ditto, fedprox, fedavg, ...; others say so and train one "
             "after another) on the builtin engine, without --dp-noise. Faster where kernel launches dominate (a "
             "GPU and a small model); slower on CPU (docs/BENCHMARKS.md). May change on --resume. "

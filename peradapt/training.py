@@ -22,8 +22,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
 
     if config.federation.concurrent_clients > 1:
         console.print(
-            f"--concurrent-clients {config.federation.concurrent_clients}: each Flower ClientApp trains one client; "
-            "clients train one after another"
+            f"--concurrent-clients {config.federation.concurrent_clients}: each Flower ClientApp trains its one client"
         )
 
     with engine.opened_run(config, resume=resume, console=console) as run:

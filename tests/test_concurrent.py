@@ -16,16 +16,18 @@ from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
-from peradapt.federation.concurrent import ConcurrentSGD
+from peradapt.errors import ConfigError, TrainingDiverged
+from peradapt.federation.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.federation.engine import LocalClients
 from peradapt.federation.local import InputPipeline, LocalTrainer, SGDJob
 from peradapt.federation.seeds import SERVER, derive_seed
 from peradapt.federation.session import build_session
 from peradapt.personalize import METHODS
-from peradapt.personalize.base import LocalSGDMethod
+from peradapt.personalize.base import LocalSGDMethod, trains_by_sgd_jobs
 
 from .conftest import TINY_BACKBONE, TINY_VIT
 from .test_cli import crash_after_round, results, run_cli, tiny_args
+from .test_perada_authors import perturbed  # trainable tensors moved off their start (LoRA B = 0)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,15 +64,6 @@ def images(count: int, seed: int, size: int = 16) -> ImageSet:
     return ImageSet(pixels, torch.randint(0, 3, (count,), generator=generator), num_classes=3)
 
 
-def moved(trainer: LocalTrainer, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
-    """The model's state with its trainable tensors moved off their start (LoRA's B starts at zero)."""
-    generator = torch.Generator().manual_seed(seed)
-    state = trainer.model.state()
-    for name in trainer.model.trainable_parameters():
-        state[name] = state[name] + scale * torch.randn(state[name].shape, generator=generator)
-    return state
-
-
 # ---------------------------------------------------------------- the update rule, by hand
 
 
@@ -80,11 +73,11 @@ def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(
     anchor (none for the second: plain SGD, line 15); computed here with autograd on the model, client by client."""
     trainer_ = trainer()
     model, module = trainer_.model, trainer_.model.module
-    w = moved(trainer_, seed=9)
+    w = perturbed(trainer_, seed=9)
     jobs = [
-        SGDJob(moved(trainer_, seed=1), images(8, seed=1), epochs=3, lr=0.1, seed=11, anchor=w, lam=0.5),
-        SGDJob(moved(trainer_, seed=2), images(6, seed=2), epochs=3, lr=0.05, seed=12),
-        SGDJob(moved(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.2, seed=13, anchor=w, lam=2.0),
+        SGDJob(perturbed(trainer_, seed=1), images(8, seed=1), epochs=3, lr=0.1, seed=11, anchor=w, lam=0.5),
+        SGDJob(perturbed(trainer_, seed=2), images(6, seed=2), epochs=3, lr=0.05, seed=12),
+        SGDJob(perturbed(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.2, seed=13, anchor=w, lam=2.0),
     ]
     together = ConcurrentSGD(trainer_).run(jobs)
 
@@ -122,12 +115,12 @@ def test_concurrent_training_equals_one_client_after_another(backbone, kind, siz
     batch per epoch), dropout 0.3, anchors, rates and step counts differing: every state and mean loss as
     `LocalTrainer.sgd` gives them one job after another, to float rounding."""
     trainer_ = trainer(backbone, kind, dropout=0.3)
-    w = moved(trainer_, seed=7)
+    w = perturbed(trainer_, seed=7)
     jobs = [
-        SGDJob(moved(trainer_, seed=1), images(13, 1, size), epochs=2, lr=0.05, seed=101, anchor=w, lam=1.0),
-        SGDJob(moved(trainer_, seed=2), images(20, 2, size), epochs=2, lr=0.05, seed=102),
-        SGDJob(moved(trainer_, seed=3), images(7, 3, size), epochs=1, lr=0.1, seed=103, anchor=w, lam=0.3),
-        SGDJob(moved(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
+        SGDJob(perturbed(trainer_, seed=1), images(13, 1, size), epochs=2, lr=0.05, seed=101, anchor=w, lam=1.0),
+        SGDJob(perturbed(trainer_, seed=2), images(20, 2, size), epochs=2, lr=0.05, seed=102),
+        SGDJob(perturbed(trainer_, seed=3), images(7, 3, size), epochs=1, lr=0.1, seed=103, anchor=w, lam=0.3),
+        SGDJob(perturbed(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
     ]
     alone = [trainer_.run(job) for job in jobs]
     together = ConcurrentSGD(trainer_).run(jobs)
@@ -143,7 +136,7 @@ def test_dropout_masks_are_each_clients_own():
     """The agreement above rests on each client's dropout masks: with another job's seed (so other masks, the same
     minibatch order being irrelevant on a full batch), the same client lands far outside the tolerance."""
     trainer_ = trainer(dropout=0.5)
-    start, data = moved(trainer_, seed=1), images(8, 1)
+    start, data = perturbed(trainer_, seed=1), images(8, 1)
     first, _ = trainer_.run(SGDJob(start, data, epochs=3, lr=0.1, seed=5))
     (same, _), (other, _) = ConcurrentSGD(trainer_).run(
         [SGDJob(start, data, epochs=3, lr=0.1, seed=5), SGDJob(start, data, epochs=3, lr=0.1, seed=6)]
@@ -156,7 +149,7 @@ def test_dropout_masks_are_each_clients_own():
 def test_generators_of_jobs_are_driven_side_by_side():
     """`run_steps`: each generator's next job trained with the others'; one that yields nothing finishes at once."""
     trainer_ = trainer()
-    start = moved(trainer_, seed=1)
+    start = perturbed(trainer_, seed=1)
     sizes_seen: list[int] = []
     original = ConcurrentSGD.run
 
@@ -184,18 +177,82 @@ def test_generators_of_jobs_are_driven_side_by_side():
 
 def test_a_diverging_client_stops_the_run_with_the_sequential_message():
     trainer_ = trainer()
-    jobs = [SGDJob(moved(trainer_, seed=k), images(8, k), epochs=3, lr=1e30, seed=k) for k in (1, 2)]
-    with pytest.raises(Exception, match=r"training loss became (nan|inf): lower --lr \(now 1e\+30\)"):
+    jobs = [SGDJob(perturbed(trainer_, seed=k), images(8, k), epochs=3, lr=1e30, seed=k) for k in (1, 2)]
+    with pytest.raises(TrainingDiverged, match=r"training loss became (nan|inf): lower --lr \(now 1e\+30\)"):
         ConcurrentSGD(trainer_).run(jobs)
+
+
+def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch):
+    """The CUDA path's precision, on CPU: under bf16 autocast (where `vmap`'s BatchNorm rule refuses bf16 inputs,
+    so BatchNorms compute in float32) the clients train as one after another does, to bf16's rounding."""
+    monkeypatch.setattr(InputPipeline, "autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    trainer_ = trainer(dropout=0.3)
+    w = perturbed(trainer_, seed=7)
+    jobs = [
+        SGDJob(perturbed(trainer_, k), images(n, k), epochs=2, lr=0.05, seed=k, anchor=w, lam=1.0)
+        for k, n in ((1, 13), (2, 20))
+    ]
+    alone = [trainer_.run(job) for job in jobs]
+    together = ConcurrentSGD(trainer_).run(jobs)
+    names = list(trainer_.model.trainable_parameters())
+    for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
+        difference = max((state[n] - expected[n]).abs().max() for n in names)
+        moved = max((expected[n] - job.start[n]).abs().max() for n in names)
+        assert difference < 0.02 * moved, (difference, moved)
+        assert loss == pytest.approx(expected_loss, rel=0.01)
+
+
+def test_random_draws_outside_dropout_layers_are_refused_in_one_line():
+    """A random op that is no `nn.Dropout` module (functional dropout, drop-path) cannot be drawn per client."""
+    trainer_ = trainer()
+    classifier = trainer_.model.base_model.fc
+    classifier.register_forward_pre_hook(lambda _, args: (torch.nn.functional.dropout(args[0], 0.5, training=True),))
+    jobs = [SGDJob(perturbed(trainer_, k), images(8, k), epochs=1, lr=0.05, seed=k) for k in (1, 2)]
+    with pytest.raises(
+        ConfigError, match=r"random numbers outside its nn\.Dropout layers.*without --concurrent-clients"
+    ):
+        ConcurrentSGD(trainer_).run(jobs)
+
+
+def test_models_with_other_random_layers_train_one_after_another(fmnist_dir, home):
+    session = tiny_session(fmnist_dir, "perada", 2)
+    session.model.base_model.add_module("extra", torch.nn.Dropout2d(0.2))
+    assert unsupported_layers(session.model.module) == ["base_model.model.extra"]
+    console = Console(record=True, width=400)
+    assert LocalClients(session, console).concurrent is None
+    assert "the model's base_model.model.extra draws random numbers" in console.export_text()
+
+
+def test_flower_says_its_clientapps_train_one_client_each(fmnist_dir, home, tmp_path, monkeypatch):
+    import peradapt.flower.simulation as simulation
+    from peradapt.training import train
+
+    monkeypatch.setattr(simulation, "simulate", lambda run, console: {"simulated": True})
+    config = TrainConfig.from_flat(
+        {
+            "data": "fmnist",
+            "data_dir": str(fmnist_dir),
+            "backbone": TINY_BACKBONE,
+            "clients": 4,
+            "rounds": 1,
+            "clients_per_round": 2,
+            "engine": "flower",
+            "concurrent_clients": 2,
+            "out": str(tmp_path / "run"),
+        }
+    )
+    console = Console(record=True, width=400)
+    assert train(config, console=console) == {"simulated": True}
+    assert "--concurrent-clients 2: each Flower ClientApp trains its one client" in console.export_text()
 
 
 # ---------------------------------------------------------------- every method of the local-SGD shape
 
 
 def test_the_methods_that_train_concurrently():
-    served = {name for name, cls in METHODS.items() if issubclass(cls, LocalSGDMethod)}
-    served -= {name for name, cls in METHODS.items() if cls.client_update is not LocalSGDMethod.client_update}
-    assert served == CONCURRENT
+    assert {name for name, cls in METHODS.items() if trains_by_sgd_jobs(cls)} == CONCURRENT
+    assert issubclass(METHODS["perfedavg"], LocalSGDMethod)  # a FedAvg subclass whose client_update is its own
+    assert not trains_by_sgd_jobs(METHODS["perfedavg"])
 
 
 def tiny_session(fmnist_dir: Path, method: str, concurrent: int):
@@ -227,12 +284,13 @@ def assert_states_close(actual: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("method", sorted(CONCURRENT))
 def test_every_local_sgd_method_gives_the_same_rounds_concurrently(method, fmnist_dir, home):
-    """Two rounds of 3 sampled clients out of 4 through the builtin engine's clients, one after another and 3 at
-    once: each round's uploads and client metrics, and at the end every client's personalized state (stored state
-    included: Ditto's and PerAda's v_m, FedDyn's gradient, MTL's models, FedALA's weights). Both sessions get the
-    same server steps, from the one-after-another uploads: a server's own arithmetic (Adam's normalized steps in
-    distillation) would turn rounding into steps of its learning rate, which says nothing about the clients."""
-    alone, together = tiny_session(fmnist_dir, method, 1), tiny_session(fmnist_dir, method, 3)
+    """Two rounds of 3 sampled clients out of 4 through the builtin engine's clients, one after another and 2 at
+    once (a group of 2, then one of 1): each round's uploads and client metrics, and at the end every client's
+    personalized state (stored state included: Ditto's and PerAda's v_m, FedDyn's gradient, MTL's models, FedALA's
+    weights). Both sessions get the same server steps, from the one-after-another uploads: a server's own
+    arithmetic (Adam's normalized steps in distillation) would turn rounding into steps of its learning rate, which
+    says nothing about the clients."""
+    alone, together = tiny_session(fmnist_dir, method, 1), tiny_session(fmnist_dir, method, 2)  # groups of 2 and 1
     assert_states_close(together.initial, alone.initial)
     sessions = {"alone": alone, "together": together}
     clients = {way: LocalClients(session, Console(quiet=True)) for way, session in sessions.items()}
@@ -242,7 +300,9 @@ def test_every_local_sgd_method_gives_the_same_rounds_concurrently(method, fmnis
         updates = {}
         for way, session in sessions.items():
             payloads = {c: session.method.payload(c, global_state) for c in sampled}
-            updates[way] = clients[way].train(round_index, sampled, payloads, lambda: None)
+            finished: list[int] = []
+            updates[way] = clients[way].train(round_index, sampled, payloads, lambda done=finished: done.append(1))
+            assert len(finished) == len(sampled)  # the progress bar advances once per client
         for update, expected in zip(updates["together"], updates["alone"], strict=True):
             assert update.client_id == expected.client_id
             assert_states_close(update.upload, expected.upload)

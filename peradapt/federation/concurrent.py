@@ -14,7 +14,9 @@ model; `vmap` cannot split the global generator by client, so each client's mask
 a generator seeded as `LocalTrainer.sgd` seeds the global one, in the order and layout the model's forward pass
 draws them (recorded once per input shape). On CPU that reproduces `sgd`'s masks exactly, and the results agree
 with one-after-another training to float rounding (batched kernels sum in another order). On a GPU, `nn.Dropout`
-draws inside a fused kernel that cannot be replayed, so the masks are other (equally distributed) draws.
+draws inside a fused kernel that cannot be replayed, so the masks are other (equally distributed) draws: one
+draw per dropout call for the whole group, from a generator seeded by the group's jobs, so that runs (and resumed
+runs) repeat themselves.
 
 Clients with different amounts of data take different numbers of steps, and an epoch's last minibatch is smaller:
 each step trains together the clients whose batches have the same shape, and a client that is done drops out.
@@ -22,20 +24,24 @@ each step trains together the clients whose batches have the same shape, and a c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
 from peradapt.adapters.model import logits_of
+from peradapt.errors import ConfigError
 from peradapt.federation.local import LocalTrainer, SGDJob, SGDResult, T, diverged, task_loss
+from peradapt.federation.seeds import derive_seed
 
 # Where a dropout module is called in the forward pass, and the rest of its input's shape and its strides.
 DropoutCall = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -75,13 +81,17 @@ class ConcurrentSGD:
         self.buffer_names = [name for name in self.state_names if name not in set(self.parameter_names)]
         self.dropouts = {name: m for name, m in self.module.named_modules() if isinstance(m, nn.Dropout)}
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
+        self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
+        self._calls_now: list[DropoutCall] = []  # the dropout calls of the step being taken (`_batched_forwards`)
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
-    def run_steps(self, steps: Sequence[Generator[SGDJob, SGDResult, T]]) -> list[T]:
+    def run_steps(
+        self, steps: Sequence[Generator[SGDJob, SGDResult, T]], on_finished: Callable[[], None] | None = None
+    ) -> list[T]:
         """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
-        trained together with the others' (`run`); what each returns, in their order. `LocalTrainer.run_steps`
-        drives one."""
+        trained together with the others' (`run`); what each returns, in their order, calling `on_finished` as each
+        one ends. `LocalTrainer.run_steps` drives one."""
         finished: dict[int, T] = {}
         pending: dict[int, SGDJob] = {}
 
@@ -90,6 +100,8 @@ class ConcurrentSGD:
                 pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
             except StopIteration as done:
                 finished[index] = done.value
+                if on_finished is not None:
+                    on_finished()
 
         for index in range(len(steps)):
             advance(index, None)
@@ -109,10 +121,8 @@ class ConcurrentSGD:
         if any(anchored):  # a job without a pull gets lam 0 and its own start as anchor: it adds exactly 0
             sources = [job.anchor if pulled else job.start for job, pulled in zip(jobs, anchored, strict=True)]
             anchors = {n: torch.stack([s[n] for s in sources]).to(device) for n in self.parameter_names}  # type: ignore[index]
-        lrs = torch.tensor([job.lr for job in jobs], device=device)
-        lams = torch.tensor(
-            [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)], device=device
-        )
+        lrs = [job.lr for job in jobs]
+        lams = [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)]
         lanes = [
             _Lane(
                 job,
@@ -121,6 +131,7 @@ class ConcurrentSGD:
             )
             for job in jobs
         ]
+        generator = torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs)))  # see _masks
         self.model.train()
         while True:
             batches = {}
@@ -136,7 +147,7 @@ class ConcurrentSGD:
             for index, (images, _) in batches.items():
                 shapes.setdefault(tuple(images.shape), []).append(index)
             for group in shapes.values():
-                self._step(group, [batches[i] for i in group], lanes, stacked, anchors, lrs, lams)
+                self._step(group, [batches[i] for i in group], lanes, stacked, anchors, lrs, lams, generator)
         return [self._result(lane, {n: t[i] for n, t in stacked.items()}) for i, lane in enumerate(lanes)]
 
     def _step(
@@ -146,29 +157,39 @@ class ConcurrentSGD:
         lanes: list[_Lane],
         stacked: dict[str, torch.Tensor],
         anchors: dict[str, torch.Tensor] | None,
-        lrs: torch.Tensor,
-        lams: torch.Tensor,
+        lrs: list[float],
+        lams: list[float],
+        generator: torch.Generator,
     ) -> None:
         """One SGD step of the lanes `group` (indices into the stacks), each on its own batch."""
-        whole = group == list(range(len(lanes)))
-        index = torch.tensor(group, device=lrs.device)
-        part = stacked if whole else {name: tensor[index] for name, tensor in stacked.items()}
+        whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
+        index = torch.tensor(group, device=self.model.device) if not whole else None
+        part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
         images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
-        masks = self._masks(images[0], [lanes[i].dropout for i in group])
+        masks = self._masks(images[0], [lanes[i] for i in group], generator)
         parameters = {name: part[name] for name in self.parameter_names}
         buffers = {name: part[name] for name in self.buffer_names}  # running statistics: updated in place
-        gradients, losses = self._gradients(parameters, buffers, masks, images, labels)
+        self._calls_now = self._dropout_calls(images[0])
+        try:
+            gradients, losses = self._gradients(parameters, buffers, masks, images, labels)
+        except RuntimeError as error:
+            if "randomness" not in str(error):
+                raise
+            raise ConfigError(
+                "--concurrent-clients: the model draws random numbers outside its nn.Dropout layers (e.g. drop-path "
+                "or attention dropout), which cannot be drawn per client: train without --concurrent-clients"
+            ) from None
         values = list(parameters.values())
         steps = [gradients[name] for name in self.parameter_names]
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
-                pulls = torch._foreach_sub(values, [anchors[n] if whole else anchors[n][index] for n in parameters])
-                torch._foreach_mul_(pulls, _per_lane(lams[index], values))
-                torch._foreach_add_(steps, pulls)
-            torch._foreach_mul_(steps, _per_lane(lrs[index], values))
-            torch._foreach_sub_(values, steps)  # v <- v - lr g
-            if not whole:
+                pulls = torch._foreach_sub(
+                    values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
+                )
+                _add_scaled_(steps, pulls, [lams[i] for i in group])
+            _add_scaled_(values, steps, [-lrs[i] for i in group])  # v <- v - lr g
+            if index is not None:
                 for name, tensor in part.items():
                     stacked[name][index] = tensor
         for lane_index, loss in zip(group, losses, strict=True):
@@ -178,26 +199,34 @@ class ConcurrentSGD:
         self,
         parameters: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
-        masks: dict[str, torch.Tensor],
+        masks: list[torch.Tensor],
         images: torch.Tensor,
         labels: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
-        with self._batched_forwards(masks), self.trainer.inputs.autocast():
+        with self._batched_forwards(self._calls_now, masks), self.trainer.inputs.autocast():
             loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
         return loss, loss.detach()
 
     @contextlib.contextmanager
-    def _batched_forwards(self, masks: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Inside `vmap`: each training dropout multiplies by its client's mask (a dropout of rate 0 passes its
-        input), and the residual adapters' projections are the matrix product `vmap` batches into one (their own
-        test for a channels-last input cannot be asked of a batched tensor)."""
+    def _batched_forwards(self, calls: list[DropoutCall], masks: list[torch.Tensor]) -> Iterator[None]:
+        """Inside `vmap`:
+        - each training dropout multiplies by its client's masks, `masks[i]` at call `calls[i]`, in call order (a
+          dropout of rate 0 passes its input);
+        - BatchNorms compute in float32: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast;
+        - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
+          channels-last input cannot be asked of a batched tensor)."""
+        queues: dict[str, collections.deque[torch.Tensor]] = {name: collections.deque() for name in self.dropouts}
+        for (name, _, _), mask in zip(calls, masks, strict=True):
+            queues[name].append(mask)
         replaced: list[nn.Module] = []
         for name, dropout in self.dropouts.items():
             if dropout.training:
-                mask = masks.get(name)
-                dropout.forward = _identity if mask is None else functools.partial(_masked, mask)  # type: ignore[method-assign]
+                dropout.forward = functools.partial(_masked, name, queues[name], dropout.p)  # type: ignore[method-assign]
                 replaced.append(dropout)
+        for norm in self.norms:
+            norm.forward = functools.partial(_in_float32, type(norm).forward.__get__(norm))  # type: ignore[method-assign]
+            replaced.append(norm)
         for projection in self.projections:
             projection.forward = projection.channel_product  # type: ignore[method-assign]
             replaced.append(projection)
@@ -207,25 +236,35 @@ class ConcurrentSGD:
             for module in replaced:
                 del module.forward
 
-    def _masks(self, example: torch.Tensor, generators: list[torch.Generator]) -> dict[str, torch.Tensor]:
-        """Per dropout call of a forward pass on batches like `example`, the group's masks stacked, each client's
-        drawn from its own generator in the order the forward pass draws them."""
-        calls = self._dropout_calls(example)
-        if not calls:
-            return {}
-        per_client = [
-            [self._mask(name, (len(example), *rest), stride, g) for name, rest, stride in calls] for g in generators
-        ]
-        return {name: torch.stack([masks[i] for masks in per_client]) for i, (name, _, _) in enumerate(calls)}
+    def _masks(self, example: torch.Tensor, lanes: list[_Lane], generator: torch.Generator) -> list[torch.Tensor]:
+        """Per dropout call of a forward pass on batches like `example`, the group's masks stacked on the lane axis.
 
-    def _mask(
+        On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
+        (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.sgd`'s masks, exactly. Elsewhere
+        `nn.Dropout` draws inside a fused kernel that cannot be replayed, so the whole group's masks of a call are
+        one draw from `generator` (one kernel instead of one per client)."""
+        calls = self._dropout_calls(example)
+        if self.model.device.type != "cpu":
+            return [
+                torch.empty((len(lanes), len(example), *rest), device=self.model.device)
+                .bernoulli_(1 - self.dropouts[name].p, generator=generator)
+                .div_(1 - self.dropouts[name].p)
+                for name, rest, _ in calls
+            ]
+        per_client = [
+            [self._cpu_mask(name, (len(example), *rest), stride, lane.dropout) for name, rest, stride in calls]
+            for lane in lanes
+        ]
+        return [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
+
+    def _cpu_mask(
         self, name: str, shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator
     ) -> torch.Tensor:
-        """The scaled keep mask the dropout `name` multiplies its input by, as its own forward pass draws it."""
+        """The scaled keep mask the dropout `name` multiplies its input by on CPU, as its own forward pass draws it."""
         dropout = self.dropouts[name]
         p = dropout.p
-        like = torch.empty_strided(shape, stride, device=self.model.device)
-        if isinstance(dropout, AdapterDropout) and like.device.type == "cpu":
+        like = torch.empty_strided(shape, stride)
+        if isinstance(dropout, AdapterDropout):
             return keep_mask(like, p, generator).div_(1 - p)
         return like.bernoulli_(1 - p, generator=generator).div_(1 - p)  # F.dropout's noise
 
@@ -269,14 +308,28 @@ def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
 
 
-def _per_lane(values: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`values` (one per lane) shaped to broadcast over each stacked tensor of `like`."""
-    return [values.view(-1, *[1] * (tensor.dim() - 1)).to(tensor.dtype) for tensor in like]
+def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: list[float]) -> None:
+    """targets += factor * addends, one factor per lane (the stacked tensors' leading axis). Lanes that share their
+    factor (the usual case: one --lr, one lam) take one fused kernel per tensor list, as `torch.optim.SGD` does."""
+    if len(set(factors)) == 1:
+        torch._foreach_add_(targets, addends, alpha=factors[0])
+        return
+    per_lane = torch.tensor(factors, device=targets[0].device)
+    shaped = [per_lane.view(-1, *[1] * (t.dim() - 1)).to(t.dtype) for t in addends]
+    torch._foreach_add_(targets, torch._foreach_mul(addends, shaped))
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _masked(name: str, masks: collections.deque[torch.Tensor], p: float, x: torch.Tensor) -> torch.Tensor:
+    """A training dropout inside `vmap`: its next mask, recorded for this call."""
+    if p == 0:
+        return x
+    if not masks:
+        raise ConfigError(
+            f"--concurrent-clients: the model's dropout {name} runs where a pass in evaluation mode does not, so its "
+            "masks cannot be drawn ahead: train without --concurrent-clients"
+        )
+    return x * masks.popleft().to(x.dtype)
 
 
-def _masked(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return x * mask.to(x.dtype)
+def _in_float32(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return forward(x.float()).to(x.dtype)

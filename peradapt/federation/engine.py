@@ -5,9 +5,10 @@ and, because every random draw is derived from (seed, round, client, phase), end
 uninterrupted run gives. The client store (memory or disk, `--client-store`) is restored to that checkpoint and
 committed after each one, so clients' private state always matches the checkpoint's round (see `store`).
 
-The loop is the same for both engines (`--engine`); only where the clients' side runs differs (`Clients`): here,
-one client after the other (`LocalClients`), or in Flower ClientApps that receive the global adapter and send
-their uploads back (`peradapt.flower`). Either way each client is played by `play_client`.
+The loop is the same for both engines (`--engine`); only where the clients' side runs differs (`Clients`): here
+(`LocalClients`), one client after the other (`play_client`) or --concurrent-clients at once
+(`play_clients_together`), or in Flower ClientApps that receive the global adapter and send their uploads back
+(`peradapt.flower`, each playing its client with `play_client`).
 
 Nothing in the loop grows with the number of clients M beyond the data: one model serves every client, a disk
 store holds the states, and in federations of more than CLIENT_SAMPLE clients the evaluations that cost a state
@@ -61,7 +62,7 @@ from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
 from peradapt.federation.session import RunPaths, Session, build_session, open_session, read_run_config
 from peradapt.personalize import METHODS, ClientUpdate
 from peradapt.personalize.auto_lam import estimate_lam
-from peradapt.personalize.base import client_steps_of
+from peradapt.personalize.base import LocalSGDMethod, trains_by_sgd_jobs
 from peradapt.progress import progress_display, text_console
 from peradapt.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
 
@@ -331,9 +332,7 @@ class LocalClients:
         updates, together = [], self.session.config.federation.concurrent_clients
         for start in range(0, len(trained), together):
             group = trained[start : start + together]
-            updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index)
-            for _ in group:
-                on_client()
+            updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index, on_client)
         return updates
 
     def personalized(
@@ -360,15 +359,17 @@ def play_clients_together(
     client_ids: list[int],
     payloads: dict[int, AdapterState],
     round_index: int,
+    on_client: Callable[[], None],
 ) -> list[ClientUpdate]:
-    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`)."""
-    client_steps = client_steps_of(session.method)
-    assert client_steps is not None, "concurrent_training serves only methods whose client update is SGD jobs"
+    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`); `on_client`
+    is called as each client finishes."""
+    method = session.method
+    assert isinstance(method, LocalSGDMethod), "concurrent_training serves only methods that train by SGD jobs"
     steps = [
-        client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
+        method.client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
         for c in client_ids
     ]
-    return concurrent.run_steps(steps)
+    return concurrent.run_steps(steps, on_finished=on_client)
 
 
 def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | None:
@@ -378,7 +379,7 @@ def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | N
     if together == 1:
         return None
     unsupported = unsupported_layers(session.trainer.model.module)
-    if client_steps_of(session.method) is None:
+    if not trains_by_sgd_jobs(type(session.method)):
         reason = f"--method {method} trains clients with update rules of its own, not plain local SGD"
     elif session.trainer.privacy is not None:
         reason = "--dp-noise clips and accounts every client's gradients on its own"

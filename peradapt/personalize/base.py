@@ -1,7 +1,8 @@
 """The method interface: what a personalization algorithm defines, and nothing the engine already does.
 
-A method holds the paper's update rules only. The engine samples clients, calls `client_update` for each,
-passes the uploads to `server_update`, evaluates and checkpoints. Private per-client state lives in the
+A method holds the paper's update rules only. The engine samples clients, runs each one's update (`client_update`,
+or for `LocalSGDMethod`s several clients' `client_steps` together), passes the uploads to `server_update`,
+evaluates and checkpoints. Private per-client state lives in the
 `ClientStore`, so methods stay stateless between calls apart from what they put there.
 """
 
@@ -137,8 +138,9 @@ class Method(ABC):
         anchor: AdapterState | None = None,
         lam: float = 0.0,
     ) -> SGDJob:
-        """E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda Algorithm 1,
-        line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems)."""
+        """The job of E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda
+        Algorithm 1, line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems).
+        `LocalSGDMethod.client_steps` yield it; other callers train it with `LocalTrainer.run`."""
         config = self.config
         return SGDJob(
             start,
@@ -174,12 +176,10 @@ class LocalSGDMethod(Method):
         return self.trainer.run_steps(self.client_steps(client, global_state, seed))
 
 
-def client_steps_of(method: Method) -> Callable[[ClientData, AdapterState, int], ClientSteps] | None:
-    """`method.client_steps` when the method's client update is exactly those SGD jobs, else None: a method with
-    update rules of its own, including a `LocalSGDMethod` subclass that overrides `client_update` (Per-FedAvg)."""
-    if isinstance(method, LocalSGDMethod) and type(method).client_update is LocalSGDMethod.client_update:
-        return method.client_steps
-    return None
+def trains_by_sgd_jobs(cls: type[Method]) -> bool:
+    """Whether the method's client update is exactly its `client_steps` SGD jobs: not for a method with update rules
+    of its own, including a `LocalSGDMethod` subclass that overrides `client_update` (Per-FedAvg)."""
+    return issubclass(cls, LocalSGDMethod) and cls.client_update is LocalSGDMethod.client_update
 
 
 class ProximalPersonalization(LocalSGDMethod):
