@@ -21,12 +21,12 @@ from peradapt.federation.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.federation.engine import LocalClients
 from peradapt.federation.local import InputPipeline, LocalTrainer, SGDJob
 from peradapt.federation.seeds import SERVER, derive_seed
-from peradapt.federation.session import build_session
 from peradapt.personalize import METHODS
 from peradapt.personalize.base import LocalSGDMethod, trains_by_sgd_jobs
 
 from .conftest import TINY_BACKBONE, TINY_VIT
 from .test_cli import crash_after_round, results, run_cli, tiny_args
+from .test_newclients import tiny_session as newclients_session
 from .test_perada_authors import perturbed  # trainable tensors moved off their start (LoRA B = 0)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -256,24 +256,10 @@ def test_the_methods_that_train_concurrently():
 
 
 def tiny_session(fmnist_dir: Path, method: str, concurrent: int):
-    settings = {
-        "data": "fmnist",
-        "data_dir": str(fmnist_dir),
-        "backbone": TINY_BACKBONE,
-        "clients": 4,
-        "clients_per_round": 3,
-        "partition": "dir:0.5",
-        "local_epochs": 1,
-        "personal_epochs": 1,
-        "lr": 0.01,  # full-model training at higher rates amplifies rounding past any fixed tolerance
-        "batch_size": 32,
-        "kd_steps": 2,
-        "kd_batch_size": 32,
-        "device": "cpu",
-        "method": method,
-        "concurrent_clients": concurrent,
-    }
-    return build_session(TrainConfig.from_flat(settings))
+    """The tiny federation with 3 clients a round, all federated, trained `concurrent` at once."""
+    # full-model training at higher rates amplifies rounding past any fixed tolerance: lr 0.01
+    settings = {"clients_per_round": 3, "holdout_clients": 0, "lr": 0.01, "concurrent_clients": concurrent}
+    return newclients_session(fmnist_dir, method, **settings)
 
 
 def assert_states_close(actual: dict, expected: dict) -> None:

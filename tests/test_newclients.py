@@ -123,7 +123,8 @@ def test_holdout_clients_is_validated(settings, message):
     TrainConfig.from_flat({**settings, "holdout_clients": 0})  # without holding out, the same settings are valid
 
 
-def tiny_session(fmnist_dir: Path, method: str):
+def tiny_session(fmnist_dir: Path, method: str, **overrides):
+    """A session of the tiny federation for `method` (settings in `overrides` win), built without a run."""
     from peradapt.federation.session import build_session
 
     settings = {
@@ -142,6 +143,7 @@ def tiny_session(fmnist_dir: Path, method: str):
         "kd_batch_size": 32,
         "device": "cpu",
         "method": method,
+        **overrides,
     }
     return build_session(TrainConfig.from_flat(settings))
 

@@ -55,7 +55,6 @@ class _Lane:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     dropout: torch.Generator
     losses: list[torch.Tensor] = field(default_factory=list)
-    done: bool = False
 
 
 def unsupported_layers(module: nn.Module) -> list[str]:
@@ -82,7 +81,6 @@ class ConcurrentSGD:
         self.dropouts = {name: m for name, m in self.module.named_modules() if isinstance(m, nn.Dropout)}
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
-        self._calls_now: list[DropoutCall] = []  # the dropout calls of the step being taken (`_batched_forwards`)
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
@@ -136,11 +134,9 @@ class ConcurrentSGD:
         while True:
             batches = {}
             for index, lane in enumerate(lanes):
-                if not lane.done:
-                    batch = next(lane.batches, None)
-                    lane.done = batch is None
-                    if batch is not None:
-                        batches[index] = batch
+                batch = next(lane.batches, None)  # an ended lane's generator stays ended
+                if batch is not None:
+                    batches[index] = batch
             if not batches:
                 break
             shapes: dict[tuple[int, ...], list[int]] = {}
@@ -170,7 +166,6 @@ class ConcurrentSGD:
         masks = self._masks(images[0], [lanes[i] for i in group], generator)
         parameters = {name: part[name] for name in self.parameter_names}
         buffers = {name: part[name] for name in self.buffer_names}  # running statistics: updated in place
-        self._calls_now = self._dropout_calls(images[0])
         try:
             gradients, losses = self._gradients(parameters, buffers, masks, images, labels)
         except RuntimeError as error:
@@ -199,30 +194,28 @@ class ConcurrentSGD:
         self,
         parameters: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
-        masks: list[torch.Tensor],
+        masks: dict[str, list[torch.Tensor]],
         images: torch.Tensor,
         labels: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
-        with self._batched_forwards(self._calls_now, masks), self.trainer.inputs.autocast():
+        with self._batched_forwards(masks), self.trainer.inputs.autocast():
             loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
         return loss, loss.detach()
 
     @contextlib.contextmanager
-    def _batched_forwards(self, calls: list[DropoutCall], masks: list[torch.Tensor]) -> Iterator[None]:
+    def _batched_forwards(self, masks: dict[str, list[torch.Tensor]]) -> Iterator[None]:
         """Inside `vmap`:
-        - each training dropout multiplies by its client's masks, `masks[i]` at call `calls[i]`, in call order (a
+        - each training dropout multiplies by its client's masks, `masks[name]` one per call in call order (a
           dropout of rate 0 passes its input);
         - BatchNorms compute in float32: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast;
         - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
           channels-last input cannot be asked of a batched tensor)."""
-        queues: dict[str, collections.deque[torch.Tensor]] = {name: collections.deque() for name in self.dropouts}
-        for (name, _, _), mask in zip(calls, masks, strict=True):
-            queues[name].append(mask)
         replaced: list[nn.Module] = []
         for name, dropout in self.dropouts.items():
             if dropout.training:
-                dropout.forward = functools.partial(_masked, name, queues[name], dropout.p)  # type: ignore[method-assign]
+                queue = collections.deque(masks.get(name, []))
+                dropout.forward = functools.partial(_masked, name, queue, dropout.p)  # type: ignore[method-assign]
                 replaced.append(dropout)
         for norm in self.norms:
             norm.forward = functools.partial(_in_float32, type(norm).forward.__get__(norm))  # type: ignore[method-assign]
@@ -236,8 +229,11 @@ class ConcurrentSGD:
             for module in replaced:
                 del module.forward
 
-    def _masks(self, example: torch.Tensor, lanes: list[_Lane], generator: torch.Generator) -> list[torch.Tensor]:
-        """Per dropout call of a forward pass on batches like `example`, the group's masks stacked on the lane axis.
+    def _masks(
+        self, example: torch.Tensor, lanes: list[_Lane], generator: torch.Generator
+    ) -> dict[str, list[torch.Tensor]]:
+        """Per dropout of a forward pass on batches like `example`, the group's masks stacked on the lane axis, one per
+        call of it in call order.
 
         On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
         (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.sgd`'s masks, exactly. Elsewhere
@@ -245,17 +241,22 @@ class ConcurrentSGD:
         one draw from `generator` (one kernel instead of one per client)."""
         calls = self._dropout_calls(example)
         if self.model.device.type != "cpu":
-            return [
+            stacked = [
                 torch.empty((len(lanes), len(example), *rest), device=self.model.device)
                 .bernoulli_(1 - self.dropouts[name].p, generator=generator)
                 .div_(1 - self.dropouts[name].p)
                 for name, rest, _ in calls
             ]
-        per_client = [
-            [self._cpu_mask(name, (len(example), *rest), stride, lane.dropout) for name, rest, stride in calls]
-            for lane in lanes
-        ]
-        return [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
+        else:
+            per_client = [
+                [self._cpu_mask(name, (len(example), *rest), stride, lane.dropout) for name, rest, stride in calls]
+                for lane in lanes
+            ]
+            stacked = [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
+        masks: dict[str, list[torch.Tensor]] = {}
+        for (name, _, _), mask in zip(calls, stacked, strict=True):
+            masks.setdefault(name, []).append(mask)
+        return masks
 
     def _cpu_mask(
         self, name: str, shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator
