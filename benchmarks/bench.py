@@ -2,6 +2,8 @@
 
     python benchmarks/bench.py --quick --json bench.json   # under 5 minutes on 2 CPU cores
     python benchmarks/bench.py --json bench.json           # the paper's model and batch, longer phases
+    python benchmarks/bench.py --smoke --data-dir DIR      # every phase at toy size: the test suite's check that
+                                                           # it runs (its figures mean nothing)
 
 Every figure is a ratio of two things run interleaved in this one process, with `torch.set_num_threads` fixed and
 the order of the two alternating between repetitions, so that other work on the machine slows both alike; the
@@ -92,7 +94,8 @@ class Settings:
     estimate_kd_batch_size: int = 256  # on a CPU; on a GPU the preset's own 2048 (see estimate)
     estimate_kd_steps: int = 4  # per timed distillation: its steps 2.. are timed
     estimate_val_images: int = 512  # on a CPU (one inference chunk); on a GPU the preset's 5,000
-    quick: bool = False
+    size: str = "full"  # full, quick or smoke: which of SIZES these are (the scale phase's children rebuild them)
+    data_dir: str | None = None  # the scale phase's Fashion-MNIST IDX files; None: Debian's dataset-fashion-mnist
     device: str = "cpu"  # --device: cuda measures the GPU path (bf16 autocast, channels-last)
 
 
@@ -109,8 +112,36 @@ QUICK = Settings(
     scale_repeats=2,
     estimate_kd_batch_size=64,
     estimate_kd_steps=3,
-    quick=True,
+    size="quick",
 )
+# Every phase at toy size, one repetition: tests/test_bench.py runs it to prove that each phase still runs through
+# peradapt's current interfaces. Its figures measure nothing.
+SMOKE = Settings(
+    backbone="resnet10_w4",
+    batch_size=8,
+    repeats=1,
+    step_batches=1,
+    kd_teachers=2,
+    kd_images=16,
+    kd_batch_size=8,
+    kd_steps=2,
+    kd_val_images=8,
+    kd_repeats=1,
+    round_clients=2,
+    client_images=8,
+    round_epochs=1,
+    round_repeats=1,
+    scale_small=4,
+    scale_large=40,
+    scale_per_round=2,
+    scale_rounds=3,
+    scale_repeats=1,
+    estimate_kd_batch_size=8,
+    estimate_kd_steps=2,
+    estimate_val_images=8,
+    size="smoke",
+)
+SIZES = {"full": Settings(), "quick": QUICK, "smoke": SMOKE}
 
 
 # ---------------------------------------------------------------- measuring
@@ -250,7 +281,7 @@ def adapter_step_vs_inference(settings: Settings) -> dict:
 def state_ratio(settings: Settings) -> dict:
     """Bytes per client: two full models (the reference's personalized and local copies) against what peradapt's
     client store holds for a PerAda client after its first round."""
-    full = create_backbone("resnet18", CLASSES, CHANNELS)  # the issue's model, whatever --quick says
+    full = create_backbone("resnet18", CLASSES, CHANNELS)  # the issue's model, whatever the size says
     reference = 2 * nbytes(full.state_dict())
     tiny = replace(settings, backbone="resnet18", batch_size=8)
     trainer = adapted_trainer(tiny)
@@ -335,7 +366,7 @@ def engine_overhead(settings: Settings) -> dict:
 
     def peradapt_round() -> None:
         updates = [method.client_update(c, initial, derive_seed(0, 0, c.client_id)) for c in clients]
-        method.server_update(initial, updates, derive_seed(0, 0, SERVER))
+        method.server_update(initial, updates, seed=derive_seed(0, 0, SERVER), round_index=0)
 
     bare = BareLoop(trainer.model, clients, trainer.inputs, settings)
     times = interleaved({"peradapt": peradapt_round, "bare": lambda: bare.round(initial)}, settings.round_repeats)
@@ -516,7 +547,7 @@ def estimate(settings: Settings) -> dict:
     augmented = kd_inputs(kd_data.images, torch.Generator().manual_seed(6))
 
     def teacher_logits() -> None:
-        distiller._teacher_logits(teachers, augmented, model.train)
+        distiller.teacher_logits(teachers, augmented, model.train)
 
     times = interleaved({"distill": distillation, "teachers": teacher_logits}, settings.kd_repeats)
     timed = calls[1:]  # the first is the warm-up
@@ -605,7 +636,8 @@ def scale(settings: Settings, workdir: Path) -> dict:
 
 def scale_run(clients: int, weights: Path, out: Path, settings: Settings) -> dict:
     command = [sys.executable, __file__, "--scale-child", str(clients), "--weights", str(weights), "--out", str(out)]
-    command += ["--threads", str(settings.threads), *(["--quick"] if settings.quick else [])]
+    command += ["--threads", str(settings.threads), "--size", settings.size]
+    command += ["--data-dir", settings.data_dir] if settings.data_dir else []
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
         tail = (finished.stderr or finished.stdout).strip().splitlines()[-3:]
@@ -670,6 +702,7 @@ def scale_child(clients: int, weights: str, out: str, settings: Settings) -> Non
         "personal_epochs": 1,
         "batch_size": settings.scale_client_images,
         "limit_samples": clients * settings.scale_client_images,  # a few images per client at any M
+        "data_dir": settings.data_dir,
         "client_store": "disk",
         "device": "cpu",
         "out": out,
@@ -712,7 +745,15 @@ ON_DEVICE = ("step", "kd", "concurrent", "estimate")  # the figures --device mov
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller phases: under 5 minutes on 2 CPU cores")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="smaller phases: under 5 minutes on 2 CPU cores")
+    sizes.add_argument(
+        "--smoke", action="store_true", help="every phase at toy size, once: checks that it runs, measures nothing"
+    )
+    sizes.add_argument("--size", choices=tuple(SIZES), help=argparse.SUPPRESS)  # the scale phase's children
+    parser.add_argument(
+        "--data-dir", help="Fashion-MNIST's IDX files for the scale phase (default: Debian's dataset-fashion-mnist)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
         "--threads",
@@ -732,7 +773,8 @@ def main() -> None:
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    settings = replace(QUICK if args.quick else Settings(), threads=args.threads, device=args.device)
+    size = args.size or ("smoke" if args.smoke else "quick" if args.quick else "full")
+    settings = replace(SIZES[size], threads=args.threads, device=args.device, data_dir=args.data_dir)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
     torch.set_num_threads(settings.threads)
@@ -742,7 +784,7 @@ def main() -> None:
     chosen = args.only.split(",") if args.only else [*BENCHMARKS, "scale"]
     if args.device == "cuda" and not set(chosen) <= set(ON_DEVICE):
         parser.error(f"--device cuda measures {', '.join(ON_DEVICE)}: pass --only with those")
-    results: dict = {"quick": args.quick, "device": args.device, "machine": machine(), "settings": asdict(settings)}
+    results: dict = {"size": size, "device": args.device, "machine": machine(), "settings": asdict(settings)}
     for name in chosen:
         started = time.perf_counter()
         if name == "scale":
@@ -765,7 +807,7 @@ def print_results(results: dict) -> None:
             relation = ">=" if bigger_is_better else "<="
             print(f"{key:28s} {value:8.3f}   goal {relation} {goal:<5}  {'met' if met else 'MISSED'}")
     for key, value in results.items():
-        if key not in goals and key not in ("machine", "settings", "quick", "device"):
+        if key not in goals and key not in ("machine", "settings", "size", "device"):
             print(f"{key:36s} {value}")
 
 

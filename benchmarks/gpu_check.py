@@ -1,6 +1,6 @@
 """`make gpu-check`: verify peradapt's CUDA path on this machine and take the GPU benchmark figures, in one command.
 
-    python benchmarks/gpu_check.py [--json gpu-check.json] [--quick]
+    python benchmarks/gpu_check.py [--json gpu-check.json] [--quick | --smoke] [--device cuda|cpu]
 
 1. The tests marked `cuda` (tests/test_cuda.py: bf16 against fp32 predictions, channels-last, a crashed and resumed
    GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources,
@@ -11,12 +11,17 @@
 3. One JSON: the device, the tests' outcome, the figures. Exit code 0 only when every test passed.
 
 Without a visible CUDA GPU it stops at once with one line (exit 2): it has nothing to check.
+
+`--device cpu` runs the same steps in the same order on the CPU (the `cuda` tests with their device switched to cpu
+through PERADAPT_CHECK_DEVICE, the figures with `bench.py --device cpu`), and `--smoke` shrinks the figures to toy
+size: tests/test_bench.py drives it so, so that only the CUDA kernels themselves go untested without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,21 +36,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("gpu-check.json"), help="where to write the results")
-    parser.add_argument("--quick", action="store_true", help="the benchmark's shorter phases")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="the benchmark's shorter phases")
+    sizes.add_argument("--smoke", action="store_true", help="the benchmark's phases at toy size (measures nothing)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same steps on the CPU, to test this driver"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU is visible (torch.cuda.is_available() is False): run this on a GPU machine")
         sys.exit(2)
+    gpu = args.device == "cuda"
     results: dict = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
-        "bf16": torch.cuda.is_bf16_supported(),
-        "tests": run_tests(),
+        "bf16": torch.cuda.is_bf16_supported() if gpu else None,
+        "tests": run_tests(args.device),
     }
     bench_json = args.json.with_suffix(".bench.json")
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", "cuda"]
-    command += ["--only", ",".join(ON_DEVICE), "--json", str(bench_json), *(["--quick"] if args.quick else [])]
+    size = ["--smoke"] if args.smoke else ["--quick"] if args.quick else []
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", args.device, *size]
+    command += ["--only", ",".join(ON_DEVICE), "--json", str(bench_json.resolve())]
     finished = subprocess.run(command, cwd=ROOT / "benchmarks", capture_output=True, text=True, check=False)
     results["benchmark"] = json.loads(bench_json.read_text()) if finished.returncode == 0 else None
     results["benchmark_log"] = finished.stdout[-4000:] + finished.stderr[-4000:]
@@ -54,9 +66,10 @@ def main() -> None:
     sys.exit(0 if results["tests"]["returncode"] == 0 and finished.returncode == 0 else 1)
 
 
-def run_tests() -> dict:
+def run_tests(device: str) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests/test_cuda.py"]
-    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    environment = {**os.environ, "PERADAPT_CHECK_DEVICE": device}
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, env=environment)
     lines = finished.stdout.strip().splitlines()
     summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
     return {"returncode": finished.returncode, "summary": summary.strip("= "), "log": finished.stdout[-6000:]}

@@ -38,6 +38,29 @@ def write_fmnist_like(directory: Path, num_train: int = 1800, num_test: int = 60
     return directory
 
 
+def settings(fmnist_dir: Path, out: Path, **overrides: object) -> dict:
+    """A tiny PerAda run on the stand-in as flat settings (`TrainConfig.from_flat`): 4 clients, 2 rounds."""
+    return {
+        "data": "fmnist",
+        "data_dir": str(fmnist_dir),
+        "backbone": TINY_BACKBONE,
+        "clients": 4,
+        "clients_per_round": 2,
+        "rounds": 2,
+        "partition": "dir:0.5",
+        "local_epochs": 1,
+        "personal_epochs": 1,
+        "lr": 0.05,
+        "batch_size": 32,
+        "kd_steps": 4,
+        "kd_batch_size": 32,
+        "eval_every": 1,
+        "device": "cpu",
+        "out": str(out),
+        **overrides,
+    }
+
+
 @pytest.fixture(scope="session")
 def fmnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fmnist_like(tmp_path_factory.mktemp("fmnist"))
@@ -91,10 +114,13 @@ def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` run where a CUDA GPU is visible (`make gpu-check`) and are skipped elsewhere (CI)."""
+    """Tests marked `cuda` run where a CUDA GPU is visible (`make gpu-check`), or on the CPU where
+    PERADAPT_CHECK_DEVICE=cpu says so (`gpu_check.py --device cpu`), and are skipped elsewhere."""
+    import os
+
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("PERADAPT_CHECK_DEVICE") == "cpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make gpu-check)")
     for item in items:

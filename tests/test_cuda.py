@@ -1,11 +1,15 @@
 """The CUDA path (bf16 autocast, channels-last, non-blocking copies, DP noise on the device, Flower with GPU
 resources, resume), on a GPU only: these tests are marked `cuda`, skipped without one (CI), and run by
 `make gpu-check`.
+
+PERADAPT_CHECK_DEVICE=cpu runs them on the CPU instead (`gpu_check.py --device cpu`, which tests/test_bench.py
+drives): their logic is then checked everywhere, and only the CUDA kernels wait for a GPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,10 +19,10 @@ from peradapt.config import TrainConfig
 from peradapt.federation.session import build_session
 
 from .test_cli import crash_after_round, results, run_cli, tiny_args
-from .test_dp import dp_args
-from .test_flower import settings
+from .conftest import settings
 
 pytestmark = pytest.mark.cuda
+DEVICE = os.environ.get("PERADAPT_CHECK_DEVICE", "cuda")
 
 # bf16 keeps 8 bits of mantissa: logits of a tiny model differ from fp32 by about 1% of their spread, so nearly
 # every prediction agrees.
@@ -32,8 +36,8 @@ def tiny_session(fmnist_dir: Path, out: Path, device: str):
 
 
 def test_bf16_on_the_gpu_predicts_as_fp32_on_the_cpu(tmp_path, fmnist_dir, home):
-    cpu, gpu = tiny_session(fmnist_dir, tmp_path / "a", "cpu"), tiny_session(fmnist_dir, tmp_path / "b", "cuda")
-    assert gpu.device.type == "cuda"
+    cpu, gpu = tiny_session(fmnist_dir, tmp_path / "a", "cpu"), tiny_session(fmnist_dir, tmp_path / "b", DEVICE)
+    assert gpu.device.type == DEVICE
     test = cpu.data.global_test
     reference = cpu.trainer.logits(cpu.initial, test).float().cpu()
     state = {name: tensor.to(gpu.device) for name, tensor in cpu.initial.items()}
@@ -45,7 +49,9 @@ def test_bf16_on_the_gpu_predicts_as_fp32_on_the_cpu(tmp_path, fmnist_dir, home)
 
 
 def test_the_frozen_backbone_is_channels_last_on_the_gpu(tmp_path, fmnist_dir, home):
-    session = tiny_session(fmnist_dir, tmp_path / "a", "cuda")
+    if DEVICE != "cuda":
+        pytest.skip("channels-last is the layout peradapt picks on a GPU only")
+    session = tiny_session(fmnist_dir, tmp_path / "a", DEVICE)
     convolutions = [p for p in session.model.module.parameters() if p.ndim == 4 and not p.requires_grad]
     assert convolutions and all(p.is_cuda for p in convolutions)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in convolutions)
@@ -53,34 +59,39 @@ def test_the_frozen_backbone_is_channels_last_on_the_gpu(tmp_path, fmnist_dir, h
 
 def test_a_gpu_run_resumed_after_a_crash_is_bit_identical_to_itself(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    code, _, err = run_cli(tiny_args(fmnist_dir, whole, "--device", "cuda"), capsys, monkeypatch)
+    code, _, err = run_cli(tiny_args(fmnist_dir, whole, "--device", DEVICE), capsys, monkeypatch)
     assert code == 0, err
-    crash_after_round(2, tiny_args(fmnist_dir, crashed, "--device", "cuda"), capsys, monkeypatch)
-    code, _, err = run_cli(tiny_args(fmnist_dir, crashed, "--device", "cuda", "--resume"), capsys, monkeypatch)
+    crash_after_round(2, tiny_args(fmnist_dir, crashed, "--device", DEVICE), capsys, monkeypatch)
+    code, _, err = run_cli(tiny_args(fmnist_dir, crashed, "--device", DEVICE, "--resume"), capsys, monkeypatch)
     assert code == 0, err
     assert results(crashed) == results(whole)
-    assert json.loads((whole / "config.json").read_text())["resolved"]["device"].startswith("cuda")
+    assert json.loads((whole / "config.json").read_text())["resolved"]["device"].startswith(DEVICE)
 
 
 def test_dp_noise_on_the_gpu_is_seeded(tmp_path, fmnist_dir, vit_weights, capsys, monkeypatch, home):
     """Two DP runs with the same seed draw the same noise on the device: identical files."""
+    pytest.importorskip("opacus")  # the dp extra, absent from a bare GPU image
+    from .test_dp import dp_args
+
     runs = [tmp_path / "one", tmp_path / "two"]
     for run in runs:
-        code, _, err = run_cli(dp_args(fmnist_dir, vit_weights, run, "--device", "cuda"), capsys, monkeypatch)
+        code, _, err = run_cli(dp_args(fmnist_dir, vit_weights, run, "--device", DEVICE), capsys, monkeypatch)
         assert code == 0, err
     assert results(runs[0]) == results(runs[1])
 
 
 def test_flower_simulation_gives_its_clients_the_gpu(tmp_path, fmnist_dir, home):
+    pytest.importorskip("flwr.simulation")  # the flower extra, absent from a bare GPU image
+    pytest.importorskip("ray")
     from rich.console import Console
 
     import peradapt.training as training
 
-    values = settings(fmnist_dir, tmp_path / "flower", engine="flower", device="cuda", rounds=1)
+    values = settings(fmnist_dir, tmp_path / "flower", engine="flower", device=DEVICE, rounds=1)
     report = training.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
     assert report["rounds"] == 1
     resolved = json.loads((tmp_path / "flower" / "config.json").read_text())["resolved"]
-    assert resolved["device"].startswith("cuda")
+    assert resolved["device"].startswith(DEVICE)
 
 
 def test_concurrent_clients_on_the_gpu_agree_with_one_after_another_and_resume_bit_identically(
@@ -90,7 +101,7 @@ def test_concurrent_clients_on_the_gpu_agree_with_one_after_another_and_resume_b
     reports agree with one client after another; with the default dropout 0.3 a crashed concurrent run resumes to
     the very files of an uninterrupted one."""
     alone, together = tmp_path / "alone", tmp_path / "together"
-    no_dropout = ("--device", "cuda", "--adapter-dropout", "0")
+    no_dropout = ("--device", DEVICE, "--adapter-dropout", "0")
     assert run_cli(tiny_args(fmnist_dir, alone, *no_dropout), capsys, monkeypatch)[0] == 0
     code, _, err = run_cli(
         tiny_args(fmnist_dir, together, *no_dropout, "--concurrent-clients", "2"), capsys, monkeypatch
@@ -103,7 +114,7 @@ def test_concurrent_clients_on_the_gpu_agree_with_one_after_another_and_resume_b
         assert summary[key] == pytest.approx(value, abs=0.05), key
 
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    concurrent = ("--device", "cuda", "--concurrent-clients", "2")
+    concurrent = ("--device", DEVICE, "--concurrent-clients", "2")
     assert run_cli(tiny_args(fmnist_dir, whole, *concurrent), capsys, monkeypatch)[0] == 0
     crash_after_round(2, tiny_args(fmnist_dir, crashed, *concurrent), capsys, monkeypatch)
     code, _, err = run_cli(tiny_args(fmnist_dir, crashed, *concurrent, "--resume"), capsys, monkeypatch)

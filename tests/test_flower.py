@@ -36,32 +36,10 @@ from peradapt.flower.client import app as client_app
 from peradapt.flower.server import FlowerClients, deployed_config
 from peradapt.runs import open_run
 
-from .conftest import TINY_BACKBONE
+from .conftest import TINY_BACKBONE, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES_KEYS = {"bytes_down", "bytes_up", "bytes_full_model", "bytes_evaluation"}
-
-
-def settings(fmnist_dir: Path, out: Path, **overrides: object) -> dict:
-    return {
-        "data": "fmnist",
-        "data_dir": str(fmnist_dir),
-        "backbone": TINY_BACKBONE,
-        "clients": 4,
-        "clients_per_round": 2,
-        "rounds": 2,
-        "partition": "dir:0.5",
-        "local_epochs": 1,
-        "personal_epochs": 1,
-        "lr": 0.05,
-        "batch_size": 32,
-        "kd_steps": 4,
-        "kd_batch_size": 32,
-        "eval_every": 1,
-        "device": "cpu",
-        "out": str(out),
-        **overrides,
-    }
 
 
 def cli_args(values: dict) -> list[str]:

@@ -122,7 +122,7 @@ class Distiller:
             if cached is not None:
                 teacher_logits = cached[batch.to(cached.device)]
             else:
-                teacher_logits = self._teacher_logits(teachers, images, set_mode)
+                teacher_logits = self.teacher_logits(teachers, images, set_mode)
             set_mode()
             with inputs.autocast():
                 student_logits = model(images).float()
@@ -155,7 +155,7 @@ class Distiller:
         return best_state, info
 
     @torch.no_grad()
-    def _teacher_logits(
+    def teacher_logits(
         self, teachers: Sequence[AdapterState], images: torch.Tensor, set_mode: Callable[[], None]
     ) -> torch.Tensor:
         """The teachers' mean logits on this batch, each teacher loaded into the shared model in turn and put in
