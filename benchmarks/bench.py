@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -785,17 +786,26 @@ def main() -> None:
     if args.device == "cuda" and not set(chosen) <= set(ON_DEVICE):
         parser.error(f"--device cuda measures {', '.join(ON_DEVICE)}: pass --only with those")
     results: dict = {"size": size, "device": args.device, "machine": machine(), "settings": asdict(settings)}
+    failed: dict[str, str] = {}
     for name in chosen:
         started = time.perf_counter()
-        if name == "scale":
-            with tempfile.TemporaryDirectory(prefix="peradapt-bench-") as workdir:
-                results.update(scale(settings, Path(workdir)))
-        else:
-            results.update(BENCHMARKS[name](settings))
+        try:
+            if name == "scale":
+                with tempfile.TemporaryDirectory(prefix="peradapt-bench-") as workdir:
+                    results.update(scale(settings, Path(workdir)))
+            else:
+                results.update(BENCHMARKS[name](settings))
+        except Exception as error:  # the other phases' figures still count (a GPU is lent briefly): exit 1 at the end
+            traceback.print_exc()
+            failed[name] = f"{type(error).__name__}: {error}"
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    if failed:
+        results["failed"] = failed
     print_results(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if failed:
+        sys.exit(f"error: phase(s) {', '.join(failed)} failed (tracebacks above)")
 
 
 def print_results(results: dict) -> None:
@@ -807,7 +817,7 @@ def print_results(results: dict) -> None:
             relation = ">=" if bigger_is_better else "<="
             print(f"{key:28s} {value:8.3f}   goal {relation} {goal:<5}  {'met' if met else 'MISSED'}")
     for key, value in results.items():
-        if key not in goals and key not in ("machine", "settings", "size", "device"):
+        if key not in goals and key not in ("machine", "settings", "size", "device", "failed"):
             print(f"{key:36s} {value}")
 
 

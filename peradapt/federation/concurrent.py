@@ -20,6 +20,13 @@ runs) repeat themselves.
 
 Clients with different amounts of data take different numbers of steps, and an epoch's last minibatch is smaller:
 each step trains together the clients whose batches have the same shape, and a client that is done drops out.
+
+Memory layout: on CPU the grouped pass keeps the trainer's channels-last layout. On a GPU it runs in the plain
+(contiguous) layout instead: cuDNN's BatchNorm backward asks for its incoming gradient in its input's layout, and
+`vmap` cannot copy a batched gradient into channels-last (PyTorch 2.11: "NYI: Tensor.clone(memory_format) inside
+vmap"). There the clients' batches are stacked contiguous, the frozen convolutions' weights are passed as
+contiguous copies (made once), and the adapters' 1x1 projections run as batched convolutions, so no tensor of the
+pass is channels-last.
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ def unsupported_layers(module: nn.Module) -> list[str]:
 class ConcurrentSGD:
     """Trains several `SGDJob`s at once on `trainer`'s model (see the module's docstring)."""
 
-    def __init__(self, trainer: LocalTrainer) -> None:
+    def __init__(self, trainer: LocalTrainer, channels_last: bool | None = None) -> None:
+        """`channels_last`: the grouped pass's layout (see the module's docstring); None: channels-last on CPU only."""
         if trainer.privacy is not None:
             raise ValueError("DP-SGD clips each client's per-sample gradients: its clients train one at a time")
         self.trainer = trainer
@@ -82,6 +90,15 @@ class ConcurrentSGD:
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
+        self.channels_last = trainer.model.device.type == "cpu" if channels_last is None else channels_last
+        # Contiguous copies of the frozen 4-d weights (the model keeps its own in channels-last) for a contiguous pass.
+        self.frozen: dict[str, torch.Tensor] = {}
+        if not self.channels_last:
+            self.frozen = {
+                name: p.detach().contiguous()
+                for name, p in self.module.named_parameters()
+                if not p.requires_grad and p.dim() == 4
+            }
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
     def run_steps(
@@ -161,7 +178,7 @@ class ConcurrentSGD:
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
-        images = _stacked_inputs([images for images, _ in batches])
+        images = _stacked_inputs([images for images, _ in batches], self.channels_last)
         labels = torch.stack([labels for _, labels in batches])
         masks = self._masks(images[0], [lanes[i] for i in group], generator)
         parameters = {name: part[name] for name in self.parameter_names}
@@ -200,7 +217,8 @@ class ConcurrentSGD:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
         with self._batched_forwards(masks), self.trainer.inputs.autocast():
-            loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
+            tensors = {**self.frozen, **parameters, **buffers}
+            loss = task_loss(logits_of(functional_call(self.module, tensors, (images,))), labels)
         return loss, loss.detach()
 
     @contextlib.contextmanager
@@ -210,7 +228,8 @@ class ConcurrentSGD:
           dropout of rate 0 passes its input);
         - BatchNorms compute in float32: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast;
         - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
-          channels-last input cannot be asked of a batched tensor)."""
+          channels-last input cannot be asked of a batched tensor), or in the contiguous layout a batched 1x1
+          convolution (the product's result would be channels-last)."""
         replaced: list[nn.Module] = []
         for name, dropout in self.dropouts.items():
             if dropout.training:
@@ -221,7 +240,8 @@ class ConcurrentSGD:
             norm.forward = functools.partial(_in_float32, type(norm).forward.__get__(norm))  # type: ignore[method-assign]
             replaced.append(norm)
         for projection in self.projections:
-            projection.forward = projection.channel_product  # type: ignore[method-assign]
+            plain = nn.Conv2d.forward.__get__(projection)
+            projection.forward = projection.channel_product if self.channels_last else plain  # type: ignore[method-assign]
             replaced.append(projection)
         try:
             yield
@@ -301,11 +321,12 @@ class ConcurrentSGD:
         return {name: tensor.clone() for name, tensor in state.items()}, sum(losses) / max(len(losses), 1)
 
 
-def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
-    """The clients' input batches on a leading axis. Channels-last image batches stay channels-last inside `vmap`
-    (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in)."""
-    if batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
-        return torch.stack(batches)
+def _stacked_inputs(batches: list[torch.Tensor], channels_last: bool) -> torch.Tensor:
+    """The clients' input batches on a leading axis. With `channels_last`, channels-last image batches stay so inside
+    `vmap` (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in);
+    else the stack is contiguous."""
+    if not channels_last or batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
+        return torch.stack(batches).contiguous()
     return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
 
 
