@@ -107,20 +107,13 @@ def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(
 
 
 @pytest.mark.parametrize(
-    ("backbone", "kind", "size", "channels_last"),
-    [
-        (TINY_BACKBONE, "residual", 16, True),
-        (TINY_BACKBONE, "lora", 16, True),
-        (TINY_VIT, "residual", 32, True),
-        (TINY_VIT, "lora", 32, True),
-        (TINY_BACKBONE, "residual", 16, False),  # the layout of the pass on a GPU
-        (TINY_VIT, "lora", 32, False),
-    ],
+    ("backbone", "kind", "size"),
+    [(TINY_BACKBONE, "residual", 16), (TINY_BACKBONE, "lora", 16), (TINY_VIT, "residual", 32), (TINY_VIT, "lora", 32)],
 )
-def test_concurrent_training_equals_one_client_after_another(backbone, kind, size, channels_last):
+def test_concurrent_training_equals_one_client_after_another(backbone, kind, size):
     """Ragged clients (13, 20, 7 and 9 images at batch 8: last batches of 5, 4, 7 and 9, one client done after one
     batch per epoch), dropout 0.3, anchors, rates and step counts differing: every state and mean loss as
-    `LocalTrainer.sgd` gives them one job after another, to float rounding, in either layout of the grouped pass."""
+    `LocalTrainer.sgd` gives them one job after another, to float rounding."""
     trainer_ = trainer(backbone, kind, dropout=0.3)
     w = perturbed(trainer_, seed=7)
     jobs = [
@@ -130,7 +123,7 @@ def test_concurrent_training_equals_one_client_after_another(backbone, kind, siz
         SGDJob(perturbed(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
     ]
     alone = [trainer_.run(job) for job in jobs]
-    together = ConcurrentSGD(trainer_, channels_last=channels_last).run(jobs)
+    together = ConcurrentSGD(trainer_).run(jobs)
     for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
         assert state.keys() == expected.keys()
         for name in expected:

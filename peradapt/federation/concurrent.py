@@ -20,13 +20,6 @@ runs) repeat themselves.
 
 Clients with different amounts of data take different numbers of steps, and an epoch's last minibatch is smaller:
 each step trains together the clients whose batches have the same shape, and a client that is done drops out.
-
-Memory layout: on CPU the grouped pass keeps the trainer's channels-last layout. On a GPU it runs in the plain
-(contiguous) layout instead: cuDNN's BatchNorm backward asks for its incoming gradient in its input's layout, and
-`vmap` cannot copy a batched gradient into channels-last (PyTorch 2.11: "NYI: Tensor.clone(memory_format) inside
-vmap"). There the clients' batches are stacked contiguous, the frozen convolutions' weights are passed as
-contiguous copies (made once), and the adapters' 1x1 projections run as batched convolutions, so no tensor of the
-pass is channels-last.
 """
 
 from __future__ import annotations
@@ -76,8 +69,7 @@ def unsupported_layers(module: nn.Module) -> list[str]:
 class ConcurrentSGD:
     """Trains several `SGDJob`s at once on `trainer`'s model (see the module's docstring)."""
 
-    def __init__(self, trainer: LocalTrainer, channels_last: bool | None = None) -> None:
-        """`channels_last`: the grouped pass's layout (see the module's docstring); None: channels-last on CPU only."""
+    def __init__(self, trainer: LocalTrainer) -> None:
         if trainer.privacy is not None:
             raise ValueError("DP-SGD clips each client's per-sample gradients: its clients train one at a time")
         self.trainer = trainer
@@ -90,15 +82,6 @@ class ConcurrentSGD:
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
-        self.channels_last = trainer.model.device.type == "cpu" if channels_last is None else channels_last
-        # Contiguous copies of the frozen 4-d weights (the model keeps its own in channels-last) for a contiguous pass.
-        self.frozen: dict[str, torch.Tensor] = {}
-        if not self.channels_last:
-            self.frozen = {
-                name: p.detach().contiguous()
-                for name, p in self.module.named_parameters()
-                if not p.requires_grad and p.dim() == 4
-            }
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
     def run_steps(
@@ -178,7 +161,7 @@ class ConcurrentSGD:
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
-        images = _stacked_inputs([images for images, _ in batches], self.channels_last)
+        images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
         masks = self._masks(images[0], [lanes[i] for i in group], generator)
         parameters = {name: part[name] for name in self.parameter_names}
@@ -217,8 +200,7 @@ class ConcurrentSGD:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
         with self._batched_forwards(masks), self.trainer.inputs.autocast():
-            tensors = {**self.frozen, **parameters, **buffers}
-            loss = task_loss(logits_of(functional_call(self.module, tensors, (images,))), labels)
+            loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
         return loss, loss.detach()
 
     @contextlib.contextmanager
@@ -226,10 +208,9 @@ class ConcurrentSGD:
         """Inside `vmap`:
         - each training dropout multiplies by its client's masks, `masks[name]` one per call in call order (a
           dropout of rate 0 passes its input);
-        - BatchNorms compute in float32: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast;
+        - BatchNorms compute by their formula in float32 (`_batch_norm_by_formula`);
         - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
-          channels-last input cannot be asked of a batched tensor), or in the contiguous layout a batched 1x1
-          convolution (the product's result would be channels-last)."""
+          channels-last input cannot be asked of a batched tensor)."""
         replaced: list[nn.Module] = []
         for name, dropout in self.dropouts.items():
             if dropout.training:
@@ -237,11 +218,10 @@ class ConcurrentSGD:
                 dropout.forward = functools.partial(_masked, name, queue, dropout.p)  # type: ignore[method-assign]
                 replaced.append(dropout)
         for norm in self.norms:
-            norm.forward = functools.partial(_in_float32, type(norm).forward.__get__(norm))  # type: ignore[method-assign]
+            norm.forward = functools.partial(_batch_norm_by_formula, norm)  # type: ignore[method-assign]
             replaced.append(norm)
         for projection in self.projections:
-            plain = nn.Conv2d.forward.__get__(projection)
-            projection.forward = projection.channel_product if self.channels_last else plain  # type: ignore[method-assign]
+            projection.forward = projection.channel_product  # type: ignore[method-assign]
             replaced.append(projection)
         try:
             yield
@@ -321,12 +301,11 @@ class ConcurrentSGD:
         return {name: tensor.clone() for name, tensor in state.items()}, sum(losses) / max(len(losses), 1)
 
 
-def _stacked_inputs(batches: list[torch.Tensor], channels_last: bool) -> torch.Tensor:
-    """The clients' input batches on a leading axis. With `channels_last`, channels-last image batches stay so inside
-    `vmap` (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in);
-    else the stack is contiguous."""
-    if not channels_last or batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
-        return torch.stack(batches).contiguous()
+def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
+    """The clients' input batches on a leading axis. Channels-last image batches stay channels-last inside `vmap`
+    (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in)."""
+    if batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
+        return torch.stack(batches)
     return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
 
 
@@ -353,5 +332,29 @@ def _masked(name: str, masks: collections.deque[torch.Tensor], p: float, x: torc
     return x * masks.popleft().to(x.dtype)
 
 
-def _in_float32(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return forward(x.float()).to(x.dtype)
+def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm`'s forward as `nn.BatchNorm2d` defines it (batch statistics in training, running ones updated with its
+    momentum and the unbiased variance; running statistics in evaluation), written out in float32 for `vmap`.
+
+    Not `F.batch_norm`, for two reasons: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast, and on a
+    GPU the backward of cuDNN's BatchNorm in training mode asks for its gradient in its input's memory layout, a copy
+    that `vmap` cannot make of a batched gradient ("NYI: Tensor.clone(memory_format) inside vmap ... (got
+    ChannelsLast)", seen on an H100 with PyTorch 2.11, in either layout of the input)."""
+    values = x.float()
+    shape = (1, -1) + (1,) * (x.dim() - 2)  # a per-channel vector against [N, C, ...]
+    if norm.training or norm.running_mean is None:
+        dims = [0, *range(2, x.dim())]
+        mean, var = values.mean(dims), values.var(dims, unbiased=False)
+        if norm.training and norm.running_mean is not None and norm.running_var is not None:
+            count = x.numel() / x.size(1)
+            with torch.no_grad():
+                norm.num_batches_tracked.add_(1)  # type: ignore[union-attr, operator]
+                momentum = 1.0 / norm.num_batches_tracked if norm.momentum is None else norm.momentum
+                norm.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
+                norm.running_var.mul_(1 - momentum).add_(var.detach() * (count / (count - 1)) * momentum)
+    else:
+        mean, var = norm.running_mean, norm.running_var
+    normalized = (values - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + norm.eps)
+    if norm.affine:
+        normalized = normalized * norm.weight.reshape(shape) + norm.bias.reshape(shape)
+    return normalized.to(x.dtype)
