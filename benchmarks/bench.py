@@ -36,17 +36,17 @@ import torch.nn.functional as F
 
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
+from peradapt.compute.concurrent import ConcurrentSGD
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import DistillConfig, MethodConfig, TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.distill import Distiller, ensemble_logits
-from peradapt.federation.concurrent import ConcurrentSGD
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.seeds import SERVER, derive_seed
 from peradapt.federation.session import CLIENT_SAMPLE
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import MethodContext, build_method
-from peradapt.personalize.base import LocalSGDMethod, Method
+from peradapt.methods import MethodContext, build_method
+from peradapt.methods.base import LocalSGDMethod, Method
 from peradapt.presets import preset_settings
+from peradapt.rundir.store import ClientStore
+from peradapt.seeds import SERVER, derive_seed
 
 CLASSES = 10
 CHANNELS = 3
@@ -226,7 +226,7 @@ def adapter_step_vs_inference(settings: Settings) -> dict:
     step) against inference of the plain backbone, without adapters, on batches of the same size.
 
     "Plain" is the backbone as timm makes it. peradapt's own frozen backbone (`freeze`: small feature maps as one
-    matrix product, peradapt.small_inputs) infers faster; the step is also given against that."""
+    matrix product, peradapt.backbones.small_inputs) infers faster; the step is also given against that."""
     trainer = adapted_trainer(settings)
     images = settings.batch_size * settings.step_batches
     data = random_images(images, settings, seed=1)

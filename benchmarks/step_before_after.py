@@ -8,7 +8,7 @@ Three versions of the same model, all running `LocalTrainer.sgd` with an anchor 
 - channels-last: channels-last inputs and weights, `AdapterDropout` and `ChannelProjection`
   (`peradapt.adapters.branch`, commit e2b5111), plain `nn.Conv2d` in the backbone;
 - after: as peradapt runs now, the frozen backbone's convolutions also `SmallInputConv2d`
-  (`peradapt.small_inputs`: 2x2 and 1x1 feature maps as one matrix product).
+  (`peradapt.backbones.small_inputs`: 2x2 and 1x1 feature maps as one matrix product).
 The figures are images per second of each and ratios to before, medians over the repetitions (see bench.py).
 """
 
@@ -22,8 +22,8 @@ from bench import LAM, LR, Settings, adapted_trainer, interleaved, median_ratio,
 from torch import nn
 
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.small_inputs import SmallInputConv2d
+from peradapt.backbones.small_inputs import SmallInputConv2d
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 
 
 class ContiguousPipeline(InputPipeline):

@@ -88,7 +88,7 @@ def evaluate(
 ) -> dict:
     """local-test and global-test of every exported adapter of a finished run (written to `eval.json`), or with
     `ood` their accuracy on an out-of-distribution set (`ood-NAME.json`; `ood_limit`: images per part)."""
-    from peradapt.runs import evaluate_ood_run, evaluate_run
+    from peradapt.commands.finished_run import evaluate_ood_run, evaluate_run
 
     if ood is not None:
         return evaluate_ood_run(Path(run), ood, limit=ood_limit, console=_console(console, quiet))
@@ -99,7 +99,7 @@ def evaluate(
 
 def export(run: PathLike, out: PathLike) -> Path:
     """Every client's adapter and the global adapter (PEFT layout) with their frozen backbone, into `out`."""
-    from peradapt.runs import export_run
+    from peradapt.commands.finished_run import export_run
 
     return export_run(Path(run), Path(out))
 
@@ -109,7 +109,7 @@ def push_to_hub(
 ) -> str:
     """`export` into `out`, then upload it to the Hugging Face model repository `repo_id` (OWNER/NAME): the
     backbone, the global adapter, the adapters of `clients` (ids, or "all") and their model cards; returns its URL."""
-    from peradapt.share import push_export
+    from peradapt.commands.share import push_export
 
     chosen = clients if isinstance(clients, str) else ",".join(str(client) for client in clients)
     return push_export(Path(run), Path(out), repo_id, chosen, private=private)
@@ -118,7 +118,7 @@ def push_to_hub(
 def personalize_new_client(run: PathLike, new_client: str) -> dict:
     """Personalize a client that never took part in training (a held-out client's id, or a directory of its
     images) from the run's global model with the run's method; returns its `result.json`."""
-    from peradapt.newclients import personalize_new_client as personalize
+    from peradapt.commands.newclients import personalize_new_client as personalize
 
     return personalize(Path(run), str(new_client))
 
@@ -157,7 +157,7 @@ def compare(
 
 def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
     """Plots and a Markdown/JSON table of finished runs; returns the files written."""
-    from peradapt.reports import build_report
+    from peradapt.commands.reports import build_report
 
     return build_report([Path(run) for run in runs], None if out is None else Path(out))
 

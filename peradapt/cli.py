@@ -14,7 +14,7 @@ from rich.text import Text
 from peradapt import api
 from peradapt.config import DISK_STORE_ABOVE, TrainConfig
 from peradapt.errors import ConfigError, Interrupted, PeradaptError
-from peradapt.personalize import METHODS
+from peradapt.methods import METHODS
 from peradapt.presets import PRESETS
 from peradapt.progress import text_console
 
@@ -533,8 +533,8 @@ def evaluate(
     ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
 ) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
+    from peradapt.commands.finished_run import ood_report_name, ood_table
     from peradapt.evaluation import results_table, summarize
-    from peradapt.runs import ood_report_name, ood_table
 
     if ood is not None:
         result = api.evaluate(run, ood=ood, ood_limit=ood_limit, console=err_console)
@@ -635,8 +635,8 @@ def info(
         _print_preset(preset)
         return
     assert run is not None
-    from peradapt.federation.session import read_partition, read_report, read_run_config
-    from peradapt.runs import label_skew
+    from peradapt.commands.finished_run import label_skew
+    from peradapt.rundir.layout import read_partition, read_report, read_run_config
 
     config, resolved = read_run_config(run)
     partition = read_partition(run)

@@ -19,11 +19,11 @@ from rich.text import Text
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
-from peradapt.federation.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.federation.engine import resume_config
-from peradapt.federation.session import RunPaths, read_report, read_run_config
-from peradapt.personalize import method_class
+from peradapt.methods import method_class
 from peradapt.progress import text_console
+from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
+from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.training import train
 
 ACCURACIES = (  # of the task's metric: accuracy, or AUC for multi-label data

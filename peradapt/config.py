@@ -80,7 +80,7 @@ class FederationConfig:
     holdout_clients: int = 0  # the last K client ids never take part in training (`peradapt personalize` them)
     client_store: str = "auto"  # memory, disk, or auto: disk above DISK_STORE_ABOVE clients (always under Flower)
     engine: str = "builtin"  # builtin (clients simulated in this process) or flower (ServerApp/ClientApp)
-    # The builtin engine trains up to this many of a round's clients at once (peradapt.federation.concurrent);
+    # The builtin engine trains up to this many of a round's clients at once (peradapt.compute.concurrent);
     # 1: one after another, the default: on CPU the batched step is slower (docs/BENCHMARKS.md).
     concurrent_clients: int = 1
 
@@ -157,7 +157,7 @@ class DistillConfig:
 
 @dataclass
 class PrivacyConfig:
-    """Sample-level differential privacy of client training: DP-SGD (`peradapt.federation.privacy`)."""
+    """Sample-level differential privacy of client training: DP-SGD (`peradapt.compute.privacy`)."""
 
     dp_noise: float | None = None  # noise multiplier σ; None: no differential privacy
     dp_clip: float | None = None  # C: every sample's gradient is clipped to this L2 norm
@@ -200,7 +200,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     out: str | None = None
-    log: str | None = None  # experiment trackers, comma-separated (peradapt.tracking); never changes results
+    log: str | None = None  # experiment trackers, comma-separated (peradapt.federation.tracking); never changes results
 
     def to_flat(self) -> dict[str, Any]:
         flat: dict[str, Any] = {}
@@ -408,7 +408,11 @@ class TrainConfig:
         tracker_names(self.log)  # unknown names refused (installed packages: when a run opens, `check_installed`)
 
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")  # --log: experiment trackers (peradapt.tracking), each an extra
+TRACKERS = (
+    "tensorboard",
+    "wandb",
+    "mlflow",
+)  # --log: experiment trackers (peradapt.federation.tracking), each an extra
 
 
 def tracker_names(log: str | None) -> list[str]:

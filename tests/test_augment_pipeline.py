@@ -15,6 +15,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
+from peradapt.compute.trainer import InputPipeline
 from peradapt.data import decode as decode_module
 from peradapt.data import load_source, resize_images, to_model_input
 from peradapt.data.batches import (
@@ -27,7 +28,6 @@ from peradapt.data.batches import (
 from peradapt.data.chexpert import TASKS
 from peradapt.data.decode import decode_images, fit_picture
 from peradapt.data.images import IMAGENET_MEAN, IMAGENET_STD, channel_statistics
-from peradapt.federation.local import InputPipeline
 
 from .conftest import write_fmnist_like
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from peradapt.commands.finished_run import open_run
 from peradapt.config import MethodConfig
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import METHODS, ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.runs import open_run
+from peradapt.methods import METHODS, ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.rundir.store import ClientStore
 
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_partial import LR, PERSONAL_LR, export_loads_in_plain_timm, full_trainer, hand_step, split

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import peradapt.federation.engine as engine
 from peradapt.cli import main
-from peradapt.federation.session import build_session, read_partition, read_run_config
+from peradapt.federation.session import build_session
+from peradapt.rundir.layout import read_partition, read_run_config
 
 from .conftest import TINY_BACKBONE
 

@@ -1,4 +1,4 @@
-"""Concurrent clients (`--concurrent-clients`, peradapt.federation.concurrent): several clients' local SGD in one
+"""Concurrent clients (`--concurrent-clients`, peradapt.compute.concurrent): several clients' local SGD in one
 batched pass through the shared model, equal to the update rule computed by hand and to one-after-another training."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
+from peradapt.compute.trainer import InputPipeline, LocalTrainer, SGDJob
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.federation.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.federation.engine import LocalClients
-from peradapt.federation.local import InputPipeline, LocalTrainer, SGDJob
-from peradapt.federation.seeds import SERVER, derive_seed
-from peradapt.personalize import METHODS
-from peradapt.personalize.base import LocalSGDMethod, trains_by_sgd_jobs
+from peradapt.methods import METHODS
+from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
+from peradapt.seeds import SERVER, derive_seed
 
 from .conftest import TINY_BACKBONE, TINY_VIT
 from .test_cli import crash_after_round, results, run_cli, tiny_args

@@ -18,8 +18,8 @@ import torch
 from peradapt.config import TrainConfig
 from peradapt.federation.session import build_session
 
-from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .conftest import settings
+from .test_cli import crash_after_round, results, run_cli, tiny_args
 
 pytestmark = pytest.mark.cuda
 DEVICE = os.environ.get("PERADAPT_CHECK_DEVICE", "cuda")

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peradapt.errors import RunError
-from peradapt.federation.store import DiskClientStore
+from peradapt.rundir.store import DiskClientStore
 
 from .test_cli import expect_refusal, results, run_cli, run_main, tiny_args
 

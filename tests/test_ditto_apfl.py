@@ -12,11 +12,11 @@ from torch.func import functional_call
 from torch.testing import assert_close
 
 from peradapt.config import MethodConfig
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.apfl import ALPHA_KEY, APFL, LOCAL_KEY
-from peradapt.personalize.base import PERSONAL_KEY, Method
-from peradapt.personalize.ditto import Ditto
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.apfl import ALPHA_KEY, APFL, LOCAL_KEY
+from peradapt.methods.base import PERSONAL_KEY, Method
+from peradapt.methods.ditto import Ditto
+from peradapt.rundir.store import ClientStore
 
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer, train_mode

@@ -18,11 +18,11 @@ from safetensors.torch import save_file
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.compute.privacy import PoissonBatches, PrivateTraining, epsilon, private_training
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.privacy import PoissonBatches, PrivateTraining, epsilon, private_training
 
 from .conftest import TINY_VIT
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, run_main
@@ -205,7 +205,8 @@ def test_batchnorm_that_trains_is_refused_and_frozen_batchnorm_is_not():
 
 
 def test_opacus_is_imported_for_dp_runs_only(monkeypatch):
-    plain = "import sys, peradapt.cli, peradapt.federation.engine, peradapt.newclients; print('opacus' in sys.modules)"
+    modules = "peradapt.cli, peradapt.federation.engine, peradapt.commands.newclients"
+    plain = f"import sys, {modules}; print('opacus' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, check=True).stdout == "False\n"
     monkeypatch.setitem(sys.modules, "opacus", None)  # as if it were not installed
     model, _ = tiny_model(VIT, "lora")

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from peradapt.adapters import AdapterState, average_states
-from peradapt.federation.privacy import PrivateTraining
-from peradapt.personalize import METHODS, ClientUpdate, Method
-from peradapt.personalize.base import PERSONAL_KEY
+from peradapt.compute.privacy import PrivateTraining
+from peradapt.methods import METHODS, ClientUpdate, Method
+from peradapt.methods.base import PERSONAL_KEY
 
 from .test_cli import crash_after_round, expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, image_set, tiny_trainer

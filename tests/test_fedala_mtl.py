@@ -19,12 +19,12 @@ from torch.testing import assert_close
 
 from peradapt.config import MethodConfig
 from peradapt.errors import TrainingDiverged
-from peradapt.federation.seeds import derive_seed
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.personalize.fedala import ALA, LOCAL_KEY, MAX_START_EPOCHS, WEIGHTS_KEY, FedALA
-from peradapt.personalize.mtl import MTL
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.fedala import ALA, LOCAL_KEY, MAX_START_EPOCHS, WEIGHTS_KEY, FedALA
+from peradapt.methods.mtl import MTL
+from peradapt.rundir.store import ClientStore
+from peradapt.seeds import derive_seed
 
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer

@@ -11,11 +11,11 @@ from torch.testing import assert_close
 from peradapt.config import DistillConfig, MethodConfig
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext, build_method
-from peradapt.personalize.fedavg import FedAvg, FedAvgFT
-from peradapt.personalize.feddf import FedDF
-from peradapt.personalize.standalone import OWN_KEY, Standalone
+from peradapt.methods import ClientUpdate, MethodContext, build_method
+from peradapt.methods.fedavg import FedAvg, FedAvgFT
+from peradapt.methods.feddf import FedDF
+from peradapt.methods.standalone import OWN_KEY, Standalone
+from peradapt.rundir.store import ClientStore
 
 from .test_cli import run_cli, tiny_args
 from .test_perada import (

@@ -18,12 +18,12 @@ from torch.testing import assert_close
 from peradapt.config import MethodConfig
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
-from peradapt.federation.seeds import LOCAL, derive_seed
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import MethodContext
-from peradapt.personalize.fedavg import FINETUNE
-from peradapt.personalize.feddyn import GRADIENT_KEY, FedDyn
-from peradapt.personalize.perfedavg import PerFedAvg
+from peradapt.methods import MethodContext
+from peradapt.methods.fedavg import FINETUNE
+from peradapt.methods.feddyn import GRADIENT_KEY, FedDyn
+from peradapt.methods.perfedavg import PerFedAvg
+from peradapt.rundir.store import ClientStore
+from peradapt.seeds import LOCAL, derive_seed
 
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, image_set, normalized, perturbed, tiny_trainer

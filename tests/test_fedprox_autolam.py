@@ -19,12 +19,12 @@ import peradapt.federation.engine as engine
 from peradapt.cli import main
 from peradapt.config import MethodConfig
 from peradapt.errors import RunError
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import METHODS, ClientUpdate, Method, MethodContext, auto_lam
-from peradapt.personalize.auto_lam import RHO, choose_lam, client_risk, estimate_lam, heterogeneity
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.personalize.fedprox import FedProx
-from peradapt.personalize.perada import PerAda, PerAdaNoKD
+from peradapt.methods import METHODS, ClientUpdate, Method, MethodContext, auto_lam
+from peradapt.methods.auto_lam import RHO, choose_lam, client_risk, estimate_lam, heterogeneity
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.fedprox import FedProx
+from peradapt.methods.perada import PerAda, PerAdaNoKD
+from peradapt.rundir.store import ClientStore
 
 from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer

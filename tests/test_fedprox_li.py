@@ -11,9 +11,9 @@ import torch
 from torch.testing import assert_close
 
 from peradapt.config import MethodConfig
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import METHODS, ClientUpdate, MethodContext
-from peradapt.personalize.fedprox_li import FedProxLi
+from peradapt.methods import METHODS, ClientUpdate, MethodContext
+from peradapt.methods.fedprox_li import FedProxLi
+from peradapt.rundir.store import ClientStore
 
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_partial import export_loads_in_plain_timm, full_trainer

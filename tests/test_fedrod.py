@@ -19,15 +19,15 @@ from torch.testing import assert_close
 import peradapt.federation.engine as engine
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.commands.finished_run import open_run
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import MethodConfig, TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError, WeightsError
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.personalize.fedrod import FedRoD
-from peradapt.runs import open_run
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.fedrod import FedRoD
+from peradapt.rundir.store import ClientStore
 
 from .conftest import TINY_BACKBONE
 from .test_cli import expect_user_error, run_cli, tiny_args

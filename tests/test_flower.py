@@ -28,15 +28,15 @@ from flwr.supercore.task_identity import TaskIdentity
 import peradapt.federation.engine as engine
 import peradapt.training as training
 from peradapt.cli import main
+from peradapt.commands.finished_run import open_run
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
-from peradapt.federation.store import DiskClientStore
 from peradapt.flower import simulation
 from peradapt.flower.client import app as client_app
 from peradapt.flower.server import FlowerClients, deployed_config
-from peradapt.runs import open_run
+from peradapt.rundir.store import DiskClientStore
 
-from .conftest import TINY_BACKBONE, settings
+from .conftest import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES_KEYS = {"bytes_down", "bytes_up", "bytes_full_model", "bytes_evaluation"}

@@ -18,8 +18,9 @@ from huggingface_hub.errors import HTTPError
 from huggingface_hub.hf_api import RepoUrl
 from huggingface_hub.utils import filter_repo_objects
 
-import peradapt.share as share
-from peradapt.federation.session import build_session, read_partition, read_run_config
+import peradapt.commands.share as share
+from peradapt.federation.session import build_session
+from peradapt.rundir.layout import read_partition, read_run_config
 
 from .test_cli import expect_refusal, run_cli, run_main, snapshot, tiny_args
 from .test_dp import dp_args
@@ -390,7 +391,7 @@ def test_an_unreachable_hub_is_one_error_line_and_the_export_stays(perada, tmp_p
     ],
 )
 def test_hub_backbones_are_the_base_model(backbone, kind, weights, base_model, license_, perada):
-    from peradapt.cards import RunCards
+    from peradapt.commands.cards import RunCards
 
     run, _ = perada
     config, resolved = read_run_config(run)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
+from peradapt.commands.finished_run import open_run
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError
-from peradapt.personalize import METHODS
-from peradapt.personalize.fedavg import FineTuning
-from peradapt.personalize.partial import PartialModel
-from peradapt.runs import open_run
+from peradapt.methods import METHODS
+from peradapt.methods.fedavg import FineTuning
+from peradapt.methods.partial import PartialModel
 
 from .conftest import TINY_BACKBONE
 from .test_cli import run_cli, run_main, tiny_args

@@ -27,7 +27,7 @@ from peradapt.data.officehome import DOMAINS
 from peradapt.distill import Distiller, multilabel_kd_loss
 from peradapt.errors import ConfigError, DataError
 from peradapt.evaluation import mean_auc, roc_auc
-from peradapt.personalize import METHODS
+from peradapt.methods import METHODS
 
 from .conftest import TINY_BACKBONE
 from .test_cli import expect_user_error, run_cli

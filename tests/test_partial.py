@@ -15,12 +15,12 @@ from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.commands.finished_run import open_run
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import MethodConfig
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import METHODS, ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.runs import open_run
+from peradapt.methods import METHODS, ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.rundir.store import ClientStore
 
 from .conftest import TINY_BACKBONE
 from .test_cli import run_cli, tiny_args

@@ -16,14 +16,14 @@ from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import DistillConfig, MethodConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.distill import Distiller, ensemble_logits, kd_loss
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY
-from peradapt.personalize.perada import PerAda, PerAdaNoKD
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.perada import PerAda, PerAdaNoKD
+from peradapt.rundir.store import ClientStore
 
 BATCH = 8
 SIZE = 16
@@ -102,10 +102,10 @@ def hand_kl(student_logits, teacher_logits, temperature=1.0):
 
 
 def test_distillation_and_methods_import_without_a_circular_import(monkeypatch):
-    """`import peradapt.distill` (or `peradapt.personalize`) as the first peradapt import must work."""
+    """`import peradapt.distill` (or `peradapt.methods`) as the first peradapt import must work."""
     import peradapt
 
-    prefixes = ("peradapt.distill", "peradapt.federation", "peradapt.personalize")
+    prefixes = ("peradapt.distill", "peradapt.federation", "peradapt.methods")
     for name in [n for n in sys.modules if n.startswith(prefixes)]:
         monkeypatch.delitem(sys.modules, name)
     for attribute in ("distill", "federation", "personalize"):

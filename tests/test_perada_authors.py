@@ -17,14 +17,14 @@ from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import DistillConfig, MethodConfig
 from peradapt.data import ImageSet, random_crop_flip
 from peradapt.distill import Distiller
 from peradapt.evaluation import select_on_test
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.perada import PerAda
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.perada import PerAda
+from peradapt.rundir.store import ClientStore
 
 BATCH = 8
 SIZE = 16

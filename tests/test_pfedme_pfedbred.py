@@ -17,13 +17,13 @@ from torch.testing import assert_close
 
 from peradapt.config import MethodConfig
 from peradapt.errors import ConfigError
-from peradapt.federation.checkpoint import load_latest_checkpoint
-from peradapt.federation.seeds import LOCAL, derive_seed
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import ClientUpdate, MethodContext
-from peradapt.personalize.base import PERSONAL_KEY, build_method
-from peradapt.personalize.pfedbred import MEMORY_KEY, PFedBreD
-from peradapt.personalize.pfedme import PFedMe
+from peradapt.methods import ClientUpdate, MethodContext
+from peradapt.methods.base import PERSONAL_KEY, build_method
+from peradapt.methods.pfedbred import MEMORY_KEY, PFedBreD
+from peradapt.methods.pfedme import PFedMe
+from peradapt.rundir.checkpoint import load_latest_checkpoint
+from peradapt.rundir.store import ClientStore
+from peradapt.seeds import LOCAL, derive_seed
 
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed, tiny_trainer, train_mode

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import peradapt.federation.engine as engine
 from peradapt.errors import ConfigError, DataError, Interrupted, RunError, TrainingDiverged, WeightsError
-from peradapt.federation.rundir import RunLock, deferred_interrupts
+from peradapt.rundir.lock import RunLock, deferred_interrupts
 
 from .conftest import TINY_BACKBONE
 from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, tiny_args
@@ -239,12 +239,12 @@ def test_a_failure_after_round_1_leaves_a_run_that_resumes(
 
 
 def test_ctrl_c_outside_a_run_exits_130(two_rounds, capsys, monkeypatch, home):
-    import peradapt.runs
+    import peradapt.commands.finished_run
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(peradapt.runs, "evaluate_run", interrupted)
+    monkeypatch.setattr(peradapt.commands.finished_run, "evaluate_run", interrupted)
     code, _, err = run_cli(["eval", "--run", str(two_rounds)], capsys, monkeypatch)
     assert code == 130 and "interrupted" in err and "Traceback" not in err
 
@@ -285,14 +285,14 @@ def test_interrupts_wait_for_the_end_of_a_protected_block():
 
 @pytest.mark.parametrize("error", [ConfigError, DataError, WeightsError, RunError, TrainingDiverged, Interrupted])
 def test_every_message_class_prints_brackets_and_slashes_verbatim(error, capsys, monkeypatch, home, tmp_path):
-    import peradapt.runs
+    import peradapt.commands.finished_run
 
     message = "w[/b] [red]x[/red] [bold] \\[y] a/b"
 
     def fail(*args, **kwargs):
         raise error(message)
 
-    monkeypatch.setattr(peradapt.runs, "evaluate_run", fail)
+    monkeypatch.setattr(peradapt.commands.finished_run, "evaluate_run", fail)
     code, _, err = run_cli(["eval", "--run", str(tmp_path)], capsys, monkeypatch)
     assert code == (130 if error is Interrupted else 2)
     assert err.strip().splitlines()[-1].endswith(message), err

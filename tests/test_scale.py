@@ -26,8 +26,8 @@ from peradapt.backbones import create_backbone
 from peradapt.cli import main
 from peradapt.config import DISK_STORE_ABOVE, FederationConfig
 from peradapt.data.partition import parse_partition, partition_labels
-from peradapt.federation import store as store_module
-from peradapt.federation.store import DiskClientStore
+from peradapt.rundir import store as store_module
+from peradapt.rundir.store import DiskClientStore
 
 from .conftest import idx_bytes
 from .test_cli import results, run_cli, run_main, tiny_args
@@ -132,7 +132,7 @@ def test_disk_store_follows_the_checkpoint_round(tmp_path):
 STORE_WRITER = """
 import os, sys, torch
 from pathlib import Path
-from peradapt.federation.store import DiskClientStore
+from peradapt.rundir.store import DiskClientStore
 directory = Path(sys.argv[1])
 checkpoint = directory.parent / "checkpoint"
 store = DiskClientStore(directory)

@@ -1,4 +1,5 @@
-"""Frozen convolutions on feature maps smaller than their kernel are one matrix product (peradapt.small_inputs)."""
+"""Frozen convolutions on feature maps smaller than their kernel are one matrix product
+(peradapt.backbones.small_inputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
-from peradapt.small_inputs import SmallInputConv2d, use_small_input_convolutions
+from peradapt.backbones.small_inputs import SmallInputConv2d, use_small_input_convolutions
 from tests.conftest import TINY_BACKBONE
 
 

@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from peradapt.tracking import MLFLOW_DIR, TENSORBOARD_DIR, TRACKERS_FILE
+from peradapt.federation.tracking import MLFLOW_DIR, TENSORBOARD_DIR, TRACKERS_FILE
 
 from .test_cli import crash_after_round, expect_refusal, run_cli, run_files, run_main, tiny_args
 

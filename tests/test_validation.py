@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from peradapt.commands.finished_run import export_run
 from peradapt.config import TrainConfig
-from peradapt.runs import export_run
 
 from .conftest import TINY_BACKBONE, TINY_VIT
 from .test_cli import expect_refusal, run_cli, run_files, run_main, snapshot, tiny_args
@@ -286,7 +286,7 @@ def test_export_replaces_an_earlier_export_whole(one_round_run, tmp_path, capsys
 
 
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(one_round_run, tmp_path, monkeypatch, home):
-    import peradapt.runs as runs
+    import peradapt.commands.finished_run as runs
 
     out = tmp_path / "nested" / "export"
     export_run(one_round_run, out)

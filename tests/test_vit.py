@@ -16,13 +16,14 @@ from torch.testing import assert_close
 
 from peradapt.adapters import BottleneckAdapterLayer, inject_adapters
 from peradapt.backbones import create_backbone, fixed_image_size, freeze, load_backbone
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import MethodConfig
 from peradapt.errors import ConfigError
-from peradapt.federation.local import InputPipeline, LocalTrainer
-from peradapt.federation.session import build_session, read_partition, read_run_config
-from peradapt.federation.store import ClientStore
-from peradapt.personalize import METHODS, MethodContext
-from peradapt.personalize.partial import personal_keys
+from peradapt.federation.session import build_session
+from peradapt.methods import METHODS, MethodContext
+from peradapt.methods.partial import personal_keys
+from peradapt.rundir.layout import read_partition, read_run_config
+from peradapt.rundir.store import ClientStore
 
 from .conftest import TINY_VIT
 from .test_cli import expect_user_error, run_cli

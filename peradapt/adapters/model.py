@@ -207,7 +207,8 @@ class AdaptedModel:
     def save_pretrained(self, directory: Path, state: AdapterState) -> None:
         """PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with PeftModel.from_pretrained: the
         files PEFT's own `save_pretrained` writes with `state` loaded, byte for byte, but for its empty model-card
-        template (README.md), the same for every adapter: `export` writes each a filled card (`peradapt.cards`).
+        template (README.md), the same for every adapter: `export` writes each a filled card
+        (`peradapt.commands.cards`).
 
         A whole trained network (scope `full`) is no adapter: it is saved as one safetensors file of the state.
         An adapter's state is left loaded in the model, as when PEFT saved it from there.

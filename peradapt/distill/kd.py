@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from peradapt.adapters import AdapterState
+from peradapt.compute.trainer import InputPipeline, LocalTrainer, seeded_generator
 from peradapt.config import DistillConfig
 from peradapt.data import ImageSet
 from peradapt.errors import TrainingDiverged
-from peradapt.federation.local import InputPipeline, LocalTrainer, seeded_generator
 
 
 def ensemble_logits(

@@ -1,6 +1,7 @@
 """Evaluation of personalized and global adapters, and result tables."""
 
-from peradapt.evaluation.metrics import evaluate_adapters, mean_auc, metric_name, roc_auc, summarize, summary
+from peradapt.compute.metrics import mean_auc, metric_name, roc_auc, summary
+from peradapt.evaluation.metrics import evaluate_adapters, summarize
 from peradapt.evaluation.report import METRIC_LABELS, results_table
 from peradapt.evaluation.selection import SELECTED_ON_TEST, per_client_record, select_on_test
 

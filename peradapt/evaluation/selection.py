@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from peradapt.evaluation.metrics import summary
+from peradapt.compute.metrics import summary
 
 SELECTED_ON_TEST = "selected_on_test"
 

@@ -1,6 +1,4 @@
-"""The federated round engine (`engine`), run directories (`session`), checkpoints and client state.
-
-Nothing is imported here on purpose: methods and distillation import the leaf modules (`local`, `seeds`,
-`store`) while the engine imports methods and distillation, so re-exporting the engine from this package
-would make every `import peradapt.personalize` go round in a circle.
-"""
+"""The top of the training stack: a run's session (data, model, trainer, method built from its config), the one
+round loop (`engine`) that both engines share, and experiment tracking. Everything it drives lives below it:
+methods, distillation, evaluation, the client-side compute (`peradapt.compute`) and the run-directory files
+(`peradapt.rundir`)."""

@@ -33,6 +33,8 @@ from rich.console import Console
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
+from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
+from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
@@ -45,7 +47,13 @@ from peradapt.evaluation import (
     summarize,
     summary,
 )
-from peradapt.federation.checkpoint import (
+from peradapt.federation.session import Session, build_session, open_session
+from peradapt.federation.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
+from peradapt.methods import METHODS, ClientUpdate
+from peradapt.methods.auto_lam import estimate_lam
+from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
+from peradapt.progress import progress_display, text_console
+from peradapt.rundir.checkpoint import (
     checkpoint_path,
     checkpointed_rounds,
     load_latest_checkpoint,
@@ -54,17 +62,10 @@ from peradapt.federation.checkpoint import (
     write_json_atomic,
     write_text_atomic,
 )
-from peradapt.federation.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.federation.privacy import charged_to, privacy_report, round_epsilons
-from peradapt.federation.rundir import RunLock, deferred_interrupts
-from peradapt.federation.runfiles import damaged
-from peradapt.federation.seeds import SERVER, derive_seed, sample_clients
-from peradapt.federation.session import RunPaths, Session, build_session, open_session, read_run_config
-from peradapt.personalize import METHODS, ClientUpdate
-from peradapt.personalize.auto_lam import estimate_lam
-from peradapt.personalize.base import LocalSGDMethod, trains_by_sgd_jobs
-from peradapt.progress import progress_display, text_console
-from peradapt.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
+from peradapt.rundir.files import damaged
+from peradapt.rundir.layout import RunPaths, read_run_config
+from peradapt.rundir.lock import RunLock, deferred_interrupts
+from peradapt.seeds import SERVER, derive_seed, sample_clients
 
 RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log", "concurrent_clients")
 GLOBAL_PREFIX = "global/"
@@ -121,7 +122,7 @@ class PreparedRun:
     paths: RunPaths
     global_state: AdapterState
     history: list[dict]
-    tracking: Tracking | None = None  # --log: the experiment trackers (peradapt.tracking)
+    tracking: Tracking | None = None  # --log: the experiment trackers (peradapt.federation.tracking)
 
 
 @contextmanager

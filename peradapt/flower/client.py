@@ -21,11 +21,12 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from peradapt.errors import ConfigError
-from peradapt.federation.checkpoint import write_text_atomic
 from peradapt.federation.engine import play_client
-from peradapt.federation.session import RunPaths, Session, open_session, read_run_config
-from peradapt.federation.store import DiskClientStore
+from peradapt.federation.session import Session, open_session
 from peradapt.flower import records as r
+from peradapt.rundir.checkpoint import write_text_atomic
+from peradapt.rundir.layout import RunPaths, read_run_config
+from peradapt.rundir.store import DiskClientStore
 
 app = ClientApp()
 

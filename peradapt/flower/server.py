@@ -29,7 +29,7 @@ from peradapt.errors import ConfigError, RunError
 from peradapt.federation.engine import PreparedRun, opened_run, resume_config, run_federation
 from peradapt.flower import records as r
 from peradapt.flower.strategy import PeradaptStrategy
-from peradapt.personalize import ClientUpdate
+from peradapt.methods import ClientUpdate
 from peradapt.progress import text_console
 
 NODE_WAIT_S = 600  # how long the server waits for SuperNodes that host every client to connect

@@ -26,9 +26,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from peradapt.adapters import AdapterState
 from peradapt.errors import ConfigError
-from peradapt.federation.session import RunPaths, Session
+from peradapt.federation.session import Session
 from peradapt.flower import records as r
-from peradapt.personalize import ClientUpdate
+from peradapt.methods import ClientUpdate
+from peradapt.rundir.layout import RunPaths
 
 
 class PeradaptStrategy:

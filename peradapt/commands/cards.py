@@ -1,0 +1,569 @@
+"""Model cards of an export: a README.md with YAML front matter (the Hugging Face Hub's model-card format) for
+every exported adapter and one for the whole federation.
+
+`RunCards` reads what a finished run recorded, once: its config, what the settings resolved to (config.json's
+"resolved": adapter kind, scope, backbone weights and their fingerprint) and its final evaluation (report.json).
+`RunCards.adapter(client)` renders the card of one client's personalized adapter (`client=None`: the global
+adapter) with its own scores, `RunCards.federation(...)` the card of the export. A card says what the adapter is,
+what it was trained on and how, how well it did, and how to load it; the loading recipe is the one
+`tests/test_model_cards.py` executes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from peradapt.backbones import fixed_image_size
+from peradapt.backbones.hf import HF_PREFIX, is_hf
+from peradapt.config import TrainConfig
+
+CARD_FILE = "README.md"
+TAGS = ("peradapt", "federated-learning", "personalization")
+ADAPTER_TAGS = {"residual": "residual-adapter", "lora": "lora", "none": "full-model"}
+FEDERATION_ROWS = 100  # a federation card lists this many clients' scores; each client's own card has its own
+METRIC_LABELS = {"accuracy": "accuracy", "auc": "AUC"}
+
+
+@dataclass(frozen=True)
+class HubTarget:
+    """Where `peradapt export --push-to-hub` uploads an export: the repository and the clients it holds."""
+
+    repo_id: str
+    clients: tuple[int, ...]
+
+
+class RunCards:
+    """The cards of one finished run's export (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, resolved: dict, report: dict, hub: HubTarget | None = None) -> None:
+        self.config, self.resolved, self.report, self.hub = config, resolved, report, hub
+        self.backbone = config.backbone.backbone
+        self.kind = resolved.get("adapter", "residual")
+        self.scope = resolved.get("scope", "adapter")
+        self.method = report.get("method", config.method.method)
+        self.metric = METRIC_LABELS.get(report.get("metric", "accuracy"), report.get("metric", "accuracy"))
+        self.clients: list[int] = report["clients"]
+        self.position = {client: index for index, client in enumerate(self.clients)}
+        personal_global = report["personalized"]["global_test"]
+        sampled = personal_global.get("clients", self.clients)  # a large federation: a sample of the clients
+        self.personal_global = dict(zip(sampled, personal_global["per_client"], strict=False))
+        self.hub_model, self.license = _hub_origin(self.backbone, config.backbone.weights, resolved.get("weights"))
+        self.second_head = _has_second_head(self.method)
+        # timm's registry is slow to ask (thousands of names): asked once for every card of the run
+        self.native_size = None if is_hf(self.backbone) else fixed_image_size(self.backbone)
+        self.peradapt_backbone = not is_hf(self.backbone) and _registered_by_peradapt(self.backbone)
+        self.front_matter = _front_matter(self._metadata())
+
+    # ------------------------------------------------------------------------------------------------ the cards
+
+    def adapter(self, client: int | None) -> str:
+        """The card of client `client`'s personalized adapter, or of the global adapter (`client=None`)."""
+        noun, data = self._model_noun(), self.report["data"]
+        if client is None:
+            title = f"Global {noun} of a {self.method} federation on {data}"
+            what = f"The global {noun} of {self._federation()}: the model the server holds after the last round."
+            whose = "the global model"
+        else:
+            title = f"Client {client}: personalized {noun} ({self.method} on {data})"
+            what = (
+                f"The personalized {noun} of client {client} in {self._federation()}: the model this client is "
+                "evaluated and exported with."
+            )
+            whose = f"client {client}'s personalized model"
+        sections = [
+            self.front_matter,
+            f"# {title}",
+            what,
+            self._facts_table(whose, client),
+            "## Results",
+            self._results(client),
+            "## Use it",
+            self._usage("global" if client is None else f"clients/{client}"),
+        ]
+        return "\n\n".join(sections) + "\n"
+
+    def federation(self) -> str:
+        """The card of the whole export: the federation, its scores per client and what the export holds."""
+        noun, held_out = self._model_noun(), self.report.get("held_out_clients", [])
+        contents = [
+            f"- `global/`: the global {noun}, with its card;",
+            f"- `clients/<id>/`: each client's personalized {noun}, with its card "
+            f"({_count(len(self.clients), 'client')}: {id_ranges(self.clients)});",
+            f"- {self._backbone_files()}: the backbone and its input normalization.",
+        ]
+        if self.hub is not None:
+            contents.append(
+                f"\nThe Hugging Face repository [`{self.hub.repo_id}`](https://huggingface.co/{self.hub.repo_id}) "
+                f"holds the backbone, the global {noun} and the personalized {noun}s of "
+                f"{_count(len(self.hub.clients), 'client')} ({id_ranges(list(self.hub.clients))})."
+            )
+        if held_out:
+            contents.append(
+                f"\n{_count(len(held_out), 'client')} ({id_ranges(held_out)}) were held out of training "
+                "(`--holdout-clients`): they have no adapter here; `peradapt personalize --run RUN --new-client ID` "
+                "trains one from the global model."
+            )
+        first = self.hub.clients[0] if self.hub is not None and self.hub.clients else self.clients[0]
+        sections = [
+            self.front_matter,
+            f"# {self.method} on {self.report['data']}: a federation of {_count(len(self.clients), 'client')}",
+            f"{_sentence(self._federation())}: the global {noun} and every client's personalized {noun}.",
+            self._facts_table("every client's personalized model and the global model, each", None),
+            "## Contents",
+            "\n".join(contents),
+            "## Results",
+            self._summary(),
+            self._client_table(),
+            "## Use it",
+            self._usage(f"clients/{first}"),
+            f"Another client's {noun} (`clients/<id>`) or the global one (`global`) loads the same way; each has its "
+            "own card.",
+        ]
+        return "\n\n".join(sections) + "\n"
+
+    # ------------------------------------------------------------------------------------------------ parts
+
+    def _metadata(self) -> dict[str, Any]:
+        """The card's front matter: the Hub's model-card metadata."""
+        # PEFT layout (adapter_config.json + adapter_model.safetensors), else one state file of the whole network
+        library = "peft" if self.scope != "full" else "transformers" if is_hf(self.backbone) else "timm"
+        metadata: dict[str, Any] = {"library_name": library}
+        if self.hub_model is not None:
+            metadata["base_model"] = self.hub_model
+        if self.license is not None:
+            metadata["license"] = self.license
+        metadata["pipeline_tag"] = "image-classification"
+        metadata["tags"] = [*TAGS, self.method, ADAPTER_TAGS.get(self.kind, self.kind)]
+        return metadata
+
+    def _model_noun(self) -> str:
+        return "model" if self.scope == "full" else "adapter"
+
+    def _federation(self) -> str:
+        return (
+            f"a simulated federation of {_count(len(self.clients), 'client')} trained by peradapt with "
+            f"`{self.method}` for {_count(self.report['rounds'], 'round')}"
+        )
+
+    def _facts_table(self, whose: str, client: int | None) -> str:
+        rows = [
+            ("model", f"{whose}: {self._model_description()}"),
+            ("method", f"`{self.method}`: {_method_summary(self.method)}"),
+            ("backbone", self._backbone_description()),
+            ("backbone weights", self._weights_description()),
+            ("data", self._data_description()),
+            ("partition", f"`{self.config.data.partition}` over {self.config.federation.clients} clients"),
+            ("training", self._training_description()),
+        ]
+        privacy = self.report.get("privacy")
+        if privacy is not None:
+            rows.append(("differential privacy", self._privacy_description(privacy, client)))
+        versions = self.resolved.get("versions", {})
+        if versions:
+            rows.append(("software", ", ".join(f"{name} {version}" for name, version in versions.items())))
+        return "| | |\n|---|---|\n" + "\n".join(f"| {name} | {_cell(value)} |" for name, value in rows)
+
+    def _model_description(self) -> str:
+        trainable, total = self.resolved.get("trainable_parameters"), self.resolved.get("backbone_parameters")
+        if self.kind == "none":
+            kind = "the whole network, trained; no adapter"
+        elif self.kind == "residual":
+            kind = (
+                "residual bottleneck adapters (Houlsby et al. 2019) on every block's MLP output, with the blocks' "
+                "LayerNorms and the head"
+                if is_hf(self.backbone) or self.native_size is not None  # a ViT: a fixed input size
+                else "residual adapters (PerAda; Rebuffi et al. 2017 series adapters: `y + conv1x1(dropout(BN(y)))` "
+                "after conv1 and conv2 of every basic block), with the BatchNorms and the head"
+            )
+            kind += "; a custom PEFT layer (built on PEFT's LoRA machinery) that peradapt registers with PEFT"
+        else:
+            kind = f"PEFT LoRA of rank {self.config.adapter.lora_rank} on the backbone's layers, and the head"
+        if self.scope == "full" and self.kind != "none":
+            kind += "; the whole network under them trains too (`--scope full`)"
+        if self.second_head:
+            kind += "; plus a personal linear head whose logits are added to the classifier's"
+        if trainable and total:
+            kind += f" ({trainable:,} trainable parameters; the backbone has {total:,})"
+        return kind
+
+    def _backbone_description(self) -> str:
+        library = "transformers" if is_hf(self.backbone) else "timm"
+        role = "trained whole from these weights" if self.scope == "full" else "frozen"
+        return f"`{self.backbone.removeprefix(HF_PREFIX)}` ({library}), {role}"
+
+    def _weights_description(self) -> str:
+        source = self.resolved.get("weights")
+        described = _described_source(self.resolved.get("backbone_sha256"))
+        parts = []
+        if self.hub_model is not None:
+            parts.append(f"[{self.hub_model}](https://huggingface.co/{self.hub_model})")
+        if described and described != source:
+            parts.append(described)
+        if source:
+            parts.append(f"from `{source}`")
+        fingerprint = self.resolved.get("backbone_sha256")
+        if fingerprint:
+            parts.append(f"fingerprint (SHA-256 of its tensors but the head, and its normalization) `{fingerprint}`")
+        return "; ".join(parts) if parts else "not recorded"
+
+    def _data_description(self) -> str:
+        channels, size, classes = (self.resolved.get(k) for k in ("channels", "image_size", "num_classes"))
+        shape = f": {channels}-channel {size}×{size} px images, {classes} classes" if channels and size else ""
+        return f"`{self.report['data']}`{shape}"
+
+    def _training_description(self) -> str:
+        fed = self.config.federation
+        text = (
+            f"{_count(self.report['rounds'], 'round')}, {fed.clients_per_round} of "
+            f"{len(self.clients)} clients sampled per round, seed {self.report['seed']}"
+        )
+        if fed.holdout_clients:
+            text += f"; {fed.holdout_clients} clients held out (not trained, not exported)"
+        return text
+
+    def _privacy_description(self, privacy: dict, client: int | None) -> str:
+        mechanism = (
+            f"DP-SGD on every client's data (noise multiplier {privacy.get('noise_multiplier')}, clipping norm "
+            f"{privacy.get('max_grad_norm')}, {privacy.get('accountant', '')} accountant)"
+        )
+        epsilon, delta = privacy["epsilon"], privacy.get("delta")
+        if client is None:
+            spent = (
+                f"ε per client {epsilon['mean']:.2f} ± {epsilon['std']:.2f}, at most {epsilon['max']:.2f}, at "
+                f"δ = {delta:g}; the global model is computed from the clients' DP-trained updates"
+            )
+        else:
+            spent = f"ε = {epsilon['per_client'][self.position[client]]:.2f} for this client's data at δ = {delta:g}"
+        return f"{mechanism}: {spent}"
+
+    def _results(self, client: int | None) -> str:
+        label = self.metric
+        rows: list[tuple[str, str, str]] = []
+        personal, global_ = self.report["personalized"], self.report["global"]
+        if client is None:
+            rows.append(("this global model", "all clients' test data (global-test)", _score(global_["global_test"])))
+            rows.append(
+                (
+                    "this global model",
+                    "each client's own test split (local-test), mean ± std over clients",
+                    _mean_std(global_["local_test"]),
+                )
+            )
+            rows.append(
+                (
+                    "the personalized models",
+                    "each client's own test split (local-test), mean ± std over clients",
+                    _mean_std(personal["local_test"]),
+                )
+            )
+        else:
+            index = self.position[client]
+            rows.append(
+                (
+                    "this personalized model",
+                    f"client {client}'s test split (local-test)",
+                    _score(_at(personal["local_test"]["per_client"], index)),
+                )
+            )
+            if client in self.personal_global:
+                rows.append(
+                    (
+                        "this personalized model",
+                        "all clients' test data (global-test)",
+                        _score(self.personal_global[client]),
+                    )
+                )
+            rows.append(
+                (
+                    "the global model",
+                    f"client {client}'s test split (local-test)",
+                    _score(_at(global_["local_test"]["per_client"], index)),
+                )
+            )
+            rows.append(
+                (
+                    "every client's personalized model",
+                    "its own test split (local-test), mean ± std over clients",
+                    _mean_std(personal["local_test"]),
+                )
+            )
+        table = f"| model | test data | {label} |\n|---|---|---|\n" + "\n".join(
+            f"| {who} | {data} | {value} |" for who, data, value in rows
+        )
+        return (
+            f"{table}\n\nThe final round's models, as exported (the run's report.json; no round selected on test "
+            "data). n/a: no test images."
+        )
+
+    def _summary(self) -> str:
+        personal, global_ = self.report["personalized"], self.report["global"]
+        rows = [
+            ("personalized", "local-test (each client's own test split)", _mean_std(personal["local_test"])),
+            ("personalized", "global-test (all clients' test data)", _mean_std(personal["global_test"])),
+            ("global", "local-test", _mean_std(global_["local_test"])),
+            ("global", "global-test", _score(global_["global_test"])),
+        ]
+        return f"| model | test data | {self.metric} (mean ± std over clients) |\n|---|---|---|\n" + "\n".join(
+            f"| {who} | {data} | {value} |" for who, data, value in rows
+        )
+
+    def _client_table(self) -> str:
+        privacy = self.report.get("privacy")
+        columns = ["client", "personalized, local-test", "personalized, global-test", "global, local-test"]
+        if privacy is not None:
+            columns.append("ε")
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        personal, global_ = self.report["personalized"], self.report["global"]
+        for index, client in enumerate(self.clients[:FEDERATION_ROWS]):
+            cells = [
+                str(client),
+                _score(_at(personal["local_test"]["per_client"], index)),
+                _score(self.personal_global.get(client)) if client in self.personal_global else "-",
+                _score(_at(global_["local_test"]["per_client"], index)),
+            ]
+            if privacy is not None:
+                cells.append(f"{_at(privacy['epsilon']['per_client'], index):.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+        more = len(self.clients) - FEDERATION_ROWS
+        note = f"\n\n… and {more:,} more clients: each client's card has its own scores." if more > 0 else ""
+        return f"Per client ({self.metric}):\n\n" + "\n".join(lines) + note
+
+    def _backbone_files(self) -> str:
+        return "`backbone/` + `backbone.json`" if is_hf(self.backbone) else "`backbone.safetensors` + `backbone.json`"
+
+    # ------------------------------------------------------------------------------------------------ loading
+
+    def _needs_peradapt(self) -> str:
+        """Why loading this model needs peradapt ("": plain timm/transformers and PEFT load it)."""
+        registered = []
+        if self.kind == "residual" and not self._peradapt_api():
+            registered.append("the residual adapter (a custom PEFT layer) with PEFT")
+        if self.peradapt_backbone:
+            registered.append(f"{self.backbone} with timm")
+        reasons = ["`peradapt.inject_adapters` builds the model this file holds"] if self._peradapt_api() else []
+        if registered:
+            reasons.append("importing it registers " + " and ".join(registered))
+        return "; ".join(reasons)
+
+    def _peradapt_api(self) -> bool:
+        """Whether the model needs peradapt's `AdaptedModel` to load: a second (personal) head, or adapters that
+        train with the whole network, saved as one state file without a PEFT adapter config."""
+        return self.second_head or (self.scope == "full" and self.kind != "none")
+
+    def _usage(self, target: str) -> str:
+        """How to load the model in `target` (a directory of the export) and feed it: code, then a note."""
+        hf_backbone, reasons = is_hf(self.backbone), self._needs_peradapt()
+        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
+        standard = ["import json", *(["from pathlib import Path"] if self._peradapt_api() else [])]
+        third_party = ["import torch"]
+        if self.hub is not None:
+            third_party.append("from huggingface_hub import snapshot_download")
+        if not self._peradapt_api() and self.scope != "full":
+            third_party.append("import peft")
+        if not hf_backbone or self.scope == "full":
+            third_party.append("from safetensors.torch import load_file")
+        third_party.append("from transformers import AutoModelForImageClassification" if hf_backbone else "import timm")
+        lines = [*standard, "", *sorted(third_party, key=lambda line: (line.startswith("from"), line.split()[1]))]
+        if reasons:
+            lines += ["", f"# pip install peradapt: {reasons}", "import peradapt"]
+        lines.append("")
+        if self.hub is not None:
+            patterns = json.dumps(["backbone*", f"{target}/*"])
+            lines.append(f"root = snapshot_download({json.dumps(self.hub.repo_id)}, allow_patterns={patterns})")
+        else:
+            lines.append('root = "."  # the export\'s directory (holding backbone.json)')
+        if hf_backbone:
+            lines.append('backbone = AutoModelForImageClassification.from_pretrained(f"{root}/backbone")')
+        else:
+            arguments = [json.dumps(self.backbone), f"num_classes={self.resolved.get('num_classes')}"]
+            arguments.append(f"in_chans={channels}")
+            if self.native_size is not None and size not in (None, self.native_size):  # a ViT made for `size`
+                arguments.append(f"img_size={size}")
+            lines += [
+                f"backbone = timm.create_model({', '.join(arguments)})",
+                'backbone.load_state_dict(load_file(f"{root}/backbone.safetensors"))',
+            ]
+        lines += self._model_lines(target)
+        lines += [
+            "",
+            'normalization = json.load(open(f"{root}/backbone.json"))',
+            'mean = torch.tensor(normalization["mean"]).view(1, -1, 1, 1)',
+            'std = torch.tensor(normalization["std"]).view(1, -1, 1, 1)',
+            "",
+            "",
+            "def preprocess(images: torch.Tensor) -> torch.Tensor:",
+            f'    """uint8 images, N × {channels} × H × W, as the model takes them: {size} × {size} px, normalized."""',
+            "    pixels = images.float()",
+            f"    if pixels.shape[-2:] != ({size}, {size}):",
+            f'        pixels = torch.nn.functional.interpolate(pixels, size=({size}, {size}), mode="bilinear", '
+            "antialias=True)",
+            "    return (pixels / 255 - mean) / std",
+            "",
+            "",
+            "# with torch.no_grad():",
+            f"#     logits = model(preprocess(images)){'.logits' if self._returns_output() else ''}",
+        ]
+        code = "\n".join(lines)
+        note = (
+            f"The model takes {channels}-channel {size}×{size} px images: `preprocess` resizes others (bilinear, "
+            "antialiased), scales the pixels to [0, 1] and normalizes them with the mean and std in `backbone.json`, "
+            "as peradapt did in training and evaluation."
+        )
+        return f"```python\n{code}\n```\n\n{note}"
+
+    def _returns_output(self) -> bool:
+        """Whether the loaded model answers with a transformers ModelOutput (peradapt's model gives logits)."""
+        return is_hf(self.backbone) and not self._peradapt_api()
+
+    def _model_lines(self, target: str) -> list[str]:
+        directory = f'f"{{root}}/{target}"'
+        if self._peradapt_api():
+            adapter = self.config.adapter
+            lines = [
+                "# peradapt's model: the backbone with this run's adapters, the personal head and loading rules",
+                f"model = peradapt.inject_adapters(backbone, {json.dumps(self.kind)}, "
+                f"dropout={adapter.adapter_dropout!r}, lora_rank={adapter.lora_rank!r}, "
+                f"scope={json.dumps(self.scope)}, frozen_bn={json.dumps(self.config.method.frozen_bn)})",
+            ]
+            if self.second_head:
+                lines.append("model.add_personal_head()  # the client's personal linear head, added to the logits")
+            return [*lines, f"model.load_pretrained(Path({directory}))", "model.eval()"]
+        if self.scope == "full":
+            if is_hf(self.backbone):  # the state holds the trained tensors; the rest is the backbone's own
+                return [
+                    f'backbone.load_state_dict(load_file(f"{{root}}/{target}/model.safetensors"), strict=False)',
+                    "model = backbone.eval()",
+                ]
+            return [
+                f'backbone.load_state_dict(load_file(f"{{root}}/{target}/model.safetensors"))',
+                "model = backbone.eval()",
+            ]
+        lines = [f"model = peft.PeftModel.from_pretrained(backbone, {directory}).eval()"]
+        if self.config.method.frozen_bn == "train":
+            statistics = f'load_file(f"{{root}}/{target}/frozen_bn_statistics.safetensors")'
+            lines += [
+                "# --frozen-bn train: the frozen BatchNorms' running statistics after this model's training",
+                f"model.load_state_dict({statistics}, strict=False)",
+            ]
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _front_matter(metadata: dict[str, Any]) -> str:
+    return "---\n" + yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True) + "---"
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _at(values: list[float], index: int) -> float | None:
+    return values[index] if index < len(values) else None
+
+
+def _score(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{100 * value:.2f}%"
+
+
+def _mean_std(stats: dict) -> str:
+    if math.isnan(stats["mean"]):
+        return "n/a"
+    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f}%"
+
+
+def id_ranges(ids: list[int]) -> str:
+    """`0-3, 7, 9-10`: sorted ids with runs of consecutive ones collapsed."""
+    ranges: list[list[int]] = []
+    for client in sorted(ids):
+        if ranges and client == ranges[-1][1] + 1:
+            ranges[-1][1] = client
+        else:
+            ranges.append([client, client])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def _hub_origin(backbone: str, weights_flag: str | None, source: str | None) -> tuple[str | None, str | None]:
+    """The Hub model the backbone's weights are (`base_model`), and its license where its config says: timm's
+    published weights loaded from the Hub, or a transformers model from the Hugging Face cache. Weights from a file
+    (`peradapt pretrain`, `--weights`, a `hf:` directory) or a URL have none."""
+    if weights_flag is not None or not source:
+        return None, None
+    if is_hf(backbone):
+        repo = backbone.removeprefix(HF_PREFIX)
+        cached = "models--" + repo.replace("/", "--")
+        return (repo, None) if repo.count("/") == 1 and cached in source else (None, None)
+    if not source.startswith("Hugging Face Hub "):
+        return None, None
+    from timm.models import get_pretrained_cfg
+
+    config = get_pretrained_cfg(backbone)
+    if config is None or not config.hf_hub_id:
+        return None, None
+    return config.hf_hub_id.partition("@")[0], getattr(config, "license", None) or None
+
+
+@functools.lru_cache(maxsize=8)
+def _described_source(fingerprint: str | None) -> str | None:
+    """What the description beside the run's pinned weights says of where they came from (e.g. `peradapt pretrain
+    on fmnist (…)`), if this machine has it."""
+    if not fingerprint:
+        return None
+    from peradapt.backbones import pinned_weights_path
+
+    try:
+        source = json.loads(pinned_weights_path(fingerprint).with_suffix(".json").read_text(encoding="utf-8"))
+        return str(source["source"]) if isinstance(source, dict) and source.get("source") else None
+    except (OSError, ValueError):
+        return None
+
+
+def _registered_by_peradapt(backbone: str) -> bool:
+    """Whether timm knows `backbone` only once peradapt is imported (the narrow ResNets, the tiny ViTs)."""
+    from timm.models import model_entrypoint, split_model_name_tag
+
+    try:
+        return model_entrypoint(split_model_name_tag(backbone)[0]).__module__.startswith("peradapt")
+    except RuntimeError:  # unknown to timm
+        return False
+
+
+def _has_second_head(name: str) -> bool:
+    """Whether method `name` gives each client a second, personal head (`Method.second_head`: FedRoD)."""
+    from peradapt.methods import METHODS
+
+    return name in METHODS and METHODS[name].second_head
+
+
+def _method_summary(name: str) -> str:
+    from peradapt.methods import METHODS
+
+    return METHODS[name].summary if name in METHODS else name
+
+
+def write_cards(out: Path, cards: RunCards) -> None:
+    """Write the card of every adapter exported to `out` (`out/clients/<id>/`, `out/global/`) and the federation's."""
+    for client in cards.clients:
+        directory = out / "clients" / str(client)
+        if directory.is_dir():
+            (directory / CARD_FILE).write_text(cards.adapter(client), encoding="utf-8")
+    (out / "global" / CARD_FILE).write_text(cards.adapter(None), encoding="utf-8")
+    (out / CARD_FILE).write_text(cards.federation(), encoding="utf-8")

@@ -1,0 +1,242 @@
+"""`peradapt report`: plots and a comparison table of finished runs, from their own files.
+
+Per run it reads `config.json` (scope), `metrics.jsonl` (accuracies of the evaluation rounds, `--eval-every`),
+`report.json` (the final evaluation: per client, personalized and global), any `ood-<name>.json` (`peradapt eval
+--ood NAME`: accuracy on an out-of-distribution set, averaged over its parts) and any
+`new_clients/<id>/result.json` (`peradapt personalize`). Nothing is re-evaluated: the numbers are exactly the
+ones those commands wrote. It writes `accuracy_per_round.png`, `per_client.png`, `summary.md` and `summary.json`
+into `out`: by default the run directory itself for one run, `reports/` for several.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from peradapt.commands.newclients import NEW_CLIENTS_DIR
+from peradapt.comparison import ACCURACIES
+from peradapt.errors import RunError
+from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
+from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
+from peradapt.rundir.files import ROUND_RECORD, check, damaged, read_json, read_text
+from peradapt.rundir.layout import RunPaths, read_report, read_run_config
+
+DEFAULT_OUT = Path("reports")
+OOD_PREFIX = "ood-"
+
+
+def default_out(runs: list[Path]) -> Path:
+    """One run: its own directory (next to report.json); several: `reports/`."""
+    return runs[0] if len(runs) == 1 else DEFAULT_OUT
+
+
+def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
+    """Plots and summary table of finished runs; returns the files written (in `out`, see `default_out`)."""
+    if not runs:
+        raise RunError("report needs at least one run directory")
+    loaded = [_load_run(run) for run in runs]
+    _label_runs(loaded)
+    out = out if out is not None else default_out(runs)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"{out} is a file: pass a directory to --out")
+    out.mkdir(parents=True, exist_ok=True)
+    results = [_plot_results(run) for run in loaded]
+    rows = [_row(run) for run in loaded]
+    written = [
+        plot_accuracy_per_round(results, out / "accuracy_per_round.png"),
+        plot_per_client(results, out / "per_client.png"),
+    ]
+    write_text_atomic(out / "summary.md", markdown_summary(rows))
+    write_json_atomic(out / "summary.json", {"accuracy_unit": "percent", "rows": rows})
+    return [*written, out / "summary.md", out / "summary.json"]
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def _load_run(run: Path) -> dict:
+    if not run.is_dir():
+        raise RunError(f"{run} is not a directory: pass run directories written by `peradapt train`")
+    config, resolved = read_run_config(run)  # refuses directories without a readable config.json
+    paths = RunPaths(run)
+    report = read_report(run)  # checked as this module reads it
+    if report is None:
+        raise RunError(f"{run} has not finished (no report.json): finish it with `peradapt train --out {run} --resume`")
+    return {
+        "path": run,
+        "report": report,
+        "scope": resolved.get("scope") or config.method.scope or "adapter",
+        "metric": report.get("metric", "accuracy"),  # runs from before multi-label support are single-label
+        "history": _read_metrics(paths.metrics),
+        "ood": _read_ood(run),
+    }
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []  # only the final evaluation to show
+    remedy = f"write it again from the run's newest checkpoint with `peradapt train --out {path.parent} --resume`"
+    text = read_text(path, remedy)
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise damaged(path, f"line {number} is not JSON: {exc}", remedy) from None
+        check(record, ROUND_RECORD, path, remedy, f"line {number}")
+        records.append(record)
+    return records
+
+
+def _percent(value: float | dict) -> float:
+    """A report.json entry in percent: a fraction, or {"mean": fraction, ...} for per-client values."""
+    return 100 * float(value["mean"] if isinstance(value, dict) else value)
+
+
+def _read_ood(run: Path) -> dict[str, dict[str, float]]:
+    """OOD set name -> mean over clients of the personalized adapters and the global adapter, in percent,
+    averaged over the set's parts (from `peradapt eval --ood NAME`)."""
+    ood = {}
+    for path in sorted(run.glob(f"{OOD_PREFIX}*.json")):
+        remedy = f"delete it, or write it again with `peradapt eval --run {run} --ood` and the name of its set"
+        data = read_json(path, remedy)
+        check(data, {"ood": str, "average": {"personalized_mean": float, "global": float}}, path, remedy)
+        average = data["average"]
+        ood[data["ood"]] = {
+            "personalized": _percent(average["personalized_mean"]),
+            "global": _percent(average["global"]),
+        }
+    return ood
+
+
+def _label_runs(loaded: list[dict]) -> None:
+    for run in loaded:
+        run["label"] = f"{run['report']['method']} (seed {run['report']['seed']})"
+    labels = [run["label"] for run in loaded]
+    for run in loaded:
+        if labels.count(run["label"]) > 1:  # same method and seed, other settings: name the directory too
+            run["label"] = f"{run['report']['method']} (seed {run['report']['seed']}, {run['path'].name})"
+
+
+# ---------------------------------------------------------------- what the plots and the table show
+
+
+def _final(report: dict) -> dict[str, float]:
+    """The report's final accuracies under the metrics.jsonl keys, in percent."""
+    return {
+        f"{who}_{split}": _percent(value) for who in ("personalized", "global") for split, value in report[who].items()
+    }
+
+
+def _plot_results(run: dict) -> RunResults:
+    report = run["report"]
+    rounds = int(report["rounds"])
+    final = _final(report)
+    curves = {}
+    for key, _, _ in ROUND_METRICS:
+        points = {int(r["round"]): 100 * float(r[key]) for r in run["history"] if key in r}
+        if key in final:
+            points[rounds] = final[key]  # the last round ends where report.json says
+        curves[key] = sorted(points.items())
+    return RunResults(
+        label=run["label"],
+        rounds=rounds,
+        metric=run["metric"],
+        curves=curves,
+        clients=list(report["clients"]),
+        personalized_local=[100 * v for v in report["personalized"]["local_test"]["per_client"]],
+        global_local=[100 * v for v in report["global"]["local_test"]["per_client"]],
+        ood=run["ood"],
+    )
+
+
+def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
+    if isinstance(entry, dict):
+        return {"mean": 100 * float(entry["mean"]), "std": 100 * float(entry["std"])}
+    return None if entry is None else 100 * float(entry)
+
+
+def _read_new_clients(run: Path) -> dict | None:
+    """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model."""
+    results = []
+    for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json")):
+        remedy = f"delete {path.parent}, or personalize that client again with `peradapt personalize --run {run}`"
+        results.append(read_json(path, remedy))
+        check(results[-1], {"before": {"local_test": float}, "after": {"local_test": float}}, path, remedy)
+    if not results:
+        return None
+    return {
+        "clients": len(results),
+        "before": float(np.mean([100 * r["before"]["local_test"] for r in results])),
+        "after": float(np.mean([100 * r["after"]["local_test"] for r in results])),
+    }
+
+
+def _row(run: dict) -> dict:
+    report = run["report"]
+    return {
+        "run": str(run["path"]),
+        "label": run["label"],
+        "method": report["method"],
+        "seed": report["seed"],
+        "scope": run["scope"],
+        "metric": run["metric"],
+        "data": report["data"],
+        "rounds": report["rounds"],
+        "clients": len(report["clients"]),
+        **{key: _stats(report[who].get(split)) for key, who, split in _ACCURACY_ENTRIES},
+        "ood": run["ood"],
+        "new_clients": _read_new_clients(run["path"]),
+        "dp_epsilon": report.get("privacy", {}).get("epsilon"),  # --dp-noise runs: ε per client, mean, std, max
+    }
+
+
+# (summary key, report.json model, split) for the table's accuracy columns, in `peradapt compare`'s order
+_ACCURACY_ENTRIES = [(key, *key.split("_", 1)) for key, _ in ACCURACIES]
+
+
+def _cell(value: dict[str, float] | float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return f"{value['mean']:.2f} ± {value['std']:.2f}"
+    return f"{value:.2f}"
+
+
+def markdown_summary(rows: list[dict]) -> str:
+    """The comparison table; accuracy columns and their names as in `peradapt compare`, then OOD and new clients."""
+    ood_names = sorted({name for row in rows for name in row["ood"]})
+    new_clients = any(row["new_clients"] for row in rows)
+    headers = ["run", "method", "seed", "scope", "metric", *(label for _, label in ACCURACIES)]
+    headers += [f"{name} (personalized / global)" for name in ood_names]
+    headers += ["new clients: global → personalized"] if new_clients else []
+    private = any(row["dp_epsilon"] for row in rows)
+    headers += ["DP ε: mean ± std (max)"] if private else []
+    lines = [
+        "Accuracy % (AUC % for multi-label runs: see `metric`), mean ± std over clients, of each run's personalized "
+        "models; `global-test of w`: the global "
+        "model. OOD columns: mean over clients and over the set's corruptions and severities (`peradapt eval --ood`). "
+        "New clients: mean local-test of the held-out clients before and after `peradapt personalize`. DP ε: the "
+        "clients' sample-level ε at the run's δ (`--dp-noise`).",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+    ]
+    for row in rows:
+        cells = [f"`{row['run']}`", row["method"], str(row["seed"]), row["scope"], row["metric"]]
+        cells += [_cell(row[key]) for key, _ in ACCURACIES]
+        for name in ood_names:
+            ood = row["ood"].get(name)
+            cells.append("-" if ood is None else f"{ood['personalized']:.2f} / {ood['global']:.2f}")
+        if new_clients:
+            new = row["new_clients"]
+            cells.append("-" if new is None else f"{new['before']:.2f} → {new['after']:.2f} ({new['clients']})")
+        if private:
+            spent = row["dp_epsilon"]
+            cells.append("-" if spent is None else f"{spent['mean']:.2f} ± {spent['std']:.2f} ({spent['max']:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,360 @@
+"""Several clients' local SGD at once on the one shared model (`--concurrent-clients`).
+
+`LocalTrainer.sgd` trains one client at a time: on a GPU, a step of a small model at 32 px is a few hundred tiny
+kernel launches, and the device waits on them. Here the jobs of K clients step together. Their adapter states
+(parameters and trainable BatchNorms' running statistics) are stacked on a leading axis, and one call of
+`torch.func.vmap` over `torch.func.grad` of one client's loss, through `torch.func.functional_call` on the shared
+frozen model, gives all K gradients: each frozen layer runs once on the K batches, each client's layer once as a
+batched kernel (a grouped product, a BatchNorm over K×C channels). Nothing of the backbone is copied.
+
+Each client's numbers are those of `LocalTrainer.sgd` run alone, as the paper's update rule says (PerAda
+Algorithm 1, lines 10 and 15): the same minibatches from the job's own generator, the same dropout masks, and per
+step g = grad L(v) (+ lam (v - w) with an anchor), then v <- v - lr g. Dropout is the one random draw inside the
+model; `vmap` cannot split the global generator by client, so each client's masks are drawn before the step from
+a generator seeded as `LocalTrainer.sgd` seeds the global one, in the order and layout the model's forward pass
+draws them (recorded once per input shape). On CPU that reproduces `sgd`'s masks exactly, and the results agree
+with one-after-another training to float rounding (batched kernels sum in another order). On a GPU, `nn.Dropout`
+draws inside a fused kernel that cannot be replayed, so the masks are other (equally distributed) draws: one
+draw per dropout call for the whole group, from a generator seeded by the group's jobs, so that runs (and resumed
+runs) repeat themselves.
+
+Clients with different amounts of data take different numbers of steps, and an epoch's last minibatch is smaller:
+each step trains together the clients whose batches have the same shape, and a client that is done drops out.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
+from peradapt.adapters.model import logits_of
+from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, diverged, task_loss
+from peradapt.errors import ConfigError
+from peradapt.seeds import derive_seed
+
+# Where a dropout module is called in the forward pass, and the rest of its input's shape and its strides.
+DropoutCall = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class _Lane:
+    """One job's progress: its minibatches, its dropout generator, its losses so far."""
+
+    job: SGDJob
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    dropout: torch.Generator
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def unsupported_layers(module: nn.Module) -> list[str]:
+    """Random layers other than `nn.Dropout` (e.g. `nn.Dropout2d`) whose draws could not be replayed per client."""
+    return [
+        name
+        for name, layer in module.named_modules()
+        if isinstance(layer, _DropoutNd) and not isinstance(layer, nn.Dropout) and layer.p > 0
+    ]
+
+
+class ConcurrentSGD:
+    """Trains several `SGDJob`s at once on `trainer`'s model (see the module's docstring)."""
+
+    def __init__(self, trainer: LocalTrainer) -> None:
+        if trainer.privacy is not None:
+            raise ValueError("DP-SGD clips each client's per-sample gradients: its clients train one at a time")
+        self.trainer = trainer
+        self.model = trainer.model
+        self.module = trainer.model.module
+        self.parameter_names = list(self.model.trainable_parameters())
+        self.state_names = self.model.state_names()
+        self.buffer_names = [name for name in self.state_names if name not in set(self.parameter_names)]
+        self.dropouts = {name: m for name, m in self.module.named_modules() if isinstance(m, nn.Dropout)}
+        self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
+        self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
+        self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
+        self._gradients = vmap(grad(self._client_loss, has_aux=True))
+
+    def run_steps(
+        self, steps: Sequence[Generator[SGDJob, SGDResult, T]], on_finished: Callable[[], None] | None = None
+    ) -> list[T]:
+        """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
+        trained together with the others' (`run`); what each returns, in their order, calling `on_finished` as each
+        one ends. `LocalTrainer.run_steps` drives one."""
+        finished: dict[int, T] = {}
+        pending: dict[int, SGDJob] = {}
+
+        def advance(index: int, result: SGDResult | None) -> None:
+            try:
+                pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
+            except StopIteration as done:
+                finished[index] = done.value
+                if on_finished is not None:
+                    on_finished()
+
+        for index in range(len(steps)):
+            advance(index, None)
+        while pending:
+            jobs = dict(pending)
+            pending.clear()
+            for index, result in zip(jobs, self.run(list(jobs.values())), strict=True):
+                advance(index, result)
+        return [finished[index] for index in range(len(steps))]
+
+    def run(self, jobs: Sequence[SGDJob]) -> list[SGDResult]:
+        """The result of `LocalTrainer.sgd` for each job, in their order."""
+        device = self.model.device
+        stacked = {name: torch.stack([job.start[name] for job in jobs]).to(device) for name in self.state_names}
+        anchored = [job.anchor is not None and job.lam > 0 for job in jobs]
+        anchors = None
+        if any(anchored):  # a job without a pull gets lam 0 and its own start as anchor: it adds exactly 0
+            sources = [job.anchor if pulled else job.start for job, pulled in zip(jobs, anchored, strict=True)]
+            anchors = {n: torch.stack([s[n] for s in sources]).to(device) for n in self.parameter_names}  # type: ignore[index]
+        lrs = [job.lr for job in jobs]
+        lams = [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)]
+        lanes = [
+            _Lane(
+                job,
+                self.trainer.minibatches(job.data, epochs=job.epochs, seed=job.seed, steps=job.steps),
+                torch.Generator(device=device).manual_seed(job.seed),
+            )
+            for job in jobs
+        ]
+        generator = torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs)))  # see _masks
+        self.model.train()
+        while True:
+            batches = {}
+            for index, lane in enumerate(lanes):
+                batch = next(lane.batches, None)  # an ended lane's generator stays ended
+                if batch is not None:
+                    batches[index] = batch
+            if not batches:
+                break
+            shapes: dict[tuple[int, ...], list[int]] = {}
+            for index, (images, _) in batches.items():
+                shapes.setdefault(tuple(images.shape), []).append(index)
+            for group in shapes.values():
+                self._step(group, [batches[i] for i in group], lanes, stacked, anchors, lrs, lams, generator)
+        return [self._result(lane, {n: t[i] for n, t in stacked.items()}) for i, lane in enumerate(lanes)]
+
+    def _step(
+        self,
+        group: list[int],
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        lanes: list[_Lane],
+        stacked: dict[str, torch.Tensor],
+        anchors: dict[str, torch.Tensor] | None,
+        lrs: list[float],
+        lams: list[float],
+        generator: torch.Generator,
+    ) -> None:
+        """One SGD step of the lanes `group` (indices into the stacks), each on its own batch."""
+        whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
+        index = torch.tensor(group, device=self.model.device) if not whole else None
+        part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
+        images = _stacked_inputs([images for images, _ in batches])
+        labels = torch.stack([labels for _, labels in batches])
+        masks = self._masks(images[0], [lanes[i] for i in group], generator)
+        parameters = {name: part[name] for name in self.parameter_names}
+        buffers = {name: part[name] for name in self.buffer_names}  # running statistics: updated in place
+        try:
+            gradients, losses = self._gradients(parameters, buffers, masks, images, labels)
+        except RuntimeError as error:
+            if "randomness" not in str(error):
+                raise
+            raise ConfigError(
+                "--concurrent-clients: the model draws random numbers outside its nn.Dropout layers (e.g. drop-path "
+                "or attention dropout), which cannot be drawn per client: train without --concurrent-clients"
+            ) from None
+        values = list(parameters.values())
+        steps = [gradients[name] for name in self.parameter_names]
+        with torch.no_grad():
+            if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
+                pulls = torch._foreach_sub(
+                    values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
+                )
+                _add_scaled_(steps, pulls, [lams[i] for i in group])
+            _add_scaled_(values, steps, [-lrs[i] for i in group])  # v <- v - lr g
+            if index is not None:
+                for name, tensor in part.items():
+                    stacked[name][index] = tensor
+        for lane_index, loss in zip(group, losses, strict=True):
+            lanes[lane_index].losses.append(loss)
+
+    def _client_loss(
+        self,
+        parameters: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        masks: dict[str, list[torch.Tensor]],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
+        with self._batched_forwards(masks), self.trainer.inputs.autocast():
+            loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
+        return loss, loss.detach()
+
+    @contextlib.contextmanager
+    def _batched_forwards(self, masks: dict[str, list[torch.Tensor]]) -> Iterator[None]:
+        """Inside `vmap`:
+        - each training dropout multiplies by its client's masks, `masks[name]` one per call in call order (a
+          dropout of rate 0 passes its input);
+        - BatchNorms compute by their formula in float32 (`_batch_norm_by_formula`);
+        - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
+          channels-last input cannot be asked of a batched tensor)."""
+        replaced: list[nn.Module] = []
+        for name, dropout in self.dropouts.items():
+            if dropout.training:
+                queue = collections.deque(masks.get(name, []))
+                dropout.forward = functools.partial(_masked, name, queue, dropout.p)  # type: ignore[method-assign]
+                replaced.append(dropout)
+        for norm in self.norms:
+            norm.forward = functools.partial(_batch_norm_by_formula, norm)  # type: ignore[method-assign]
+            replaced.append(norm)
+        for projection in self.projections:
+            projection.forward = projection.channel_product  # type: ignore[method-assign]
+            replaced.append(projection)
+        try:
+            yield
+        finally:
+            for module in replaced:
+                del module.forward
+
+    def _masks(
+        self, example: torch.Tensor, lanes: list[_Lane], generator: torch.Generator
+    ) -> dict[str, list[torch.Tensor]]:
+        """Per dropout of a forward pass on batches like `example`, the group's masks stacked on the lane axis, one per
+        call of it in call order.
+
+        On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
+        (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.sgd`'s masks, exactly. Elsewhere
+        `nn.Dropout` draws inside a fused kernel that cannot be replayed, so the whole group's masks of a call are
+        one draw from `generator` (one kernel instead of one per client)."""
+        calls = self._dropout_calls(example)
+        if self.model.device.type != "cpu":
+            stacked = [
+                torch.empty((len(lanes), len(example), *rest), device=self.model.device)
+                .bernoulli_(1 - self.dropouts[name].p, generator=generator)
+                .div_(1 - self.dropouts[name].p)
+                for name, rest, _ in calls
+            ]
+        else:
+            per_client = [
+                [self._cpu_mask(name, (len(example), *rest), stride, lane.dropout) for name, rest, stride in calls]
+                for lane in lanes
+            ]
+            stacked = [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
+        masks: dict[str, list[torch.Tensor]] = {}
+        for (name, _, _), mask in zip(calls, stacked, strict=True):
+            masks.setdefault(name, []).append(mask)
+        return masks
+
+    def _cpu_mask(
+        self, name: str, shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator
+    ) -> torch.Tensor:
+        """The scaled keep mask the dropout `name` multiplies its input by on CPU, as its own forward pass draws it."""
+        dropout = self.dropouts[name]
+        p = dropout.p
+        like = torch.empty_strided(shape, stride)
+        if isinstance(dropout, AdapterDropout):
+            return keep_mask(like, p, generator).div_(1 - p)
+        return like.bernoulli_(1 - p, generator=generator).div_(1 - p)  # F.dropout's noise
+
+    def _dropout_calls(self, example: torch.Tensor) -> list[DropoutCall]:
+        """The training dropouts of rate > 0 in the order a forward pass on batches like `example` calls them, with
+        the rest of their input's shape and its strides; found once per input shape by a pass with hooks."""
+        key = tuple(example.shape[1:])
+        if key not in self._calls:
+            calls: list[DropoutCall] = []
+            hooks = [
+                dropout.register_forward_pre_hook(
+                    lambda _, args, name=name: calls.append((name, tuple(args[0].shape[1:]), args[0].stride()))
+                )
+                for name, dropout in self.dropouts.items()
+                if dropout.training and dropout.p > 0
+            ]
+            try:
+                with torch.no_grad(), self.trainer.inputs.autocast():
+                    self.model.eval()  # the shapes without touching any running statistics
+                    self.model(example[:2])
+            finally:
+                self.model.train()
+                for hook in hooks:
+                    hook.remove()
+            self._calls[key] = calls
+        return self._calls[key]
+
+    def _result(self, lane: _Lane, state: dict[str, torch.Tensor]) -> SGDResult:
+        losses = torch.stack(lane.losses).tolist() if lane.losses else []
+        bad = next((loss for loss in losses if not math.isfinite(loss)), None)
+        if bad is not None:
+            raise diverged(bad, lane.job.lr)
+        return {name: tensor.clone() for name, tensor in state.items()}, sum(losses) / max(len(losses), 1)
+
+
+def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
+    """The clients' input batches on a leading axis. Channels-last image batches stay channels-last inside `vmap`
+    (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in)."""
+    if batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
+        return torch.stack(batches)
+    return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
+
+
+def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: list[float]) -> None:
+    """targets += factor * addends, one factor per lane (the stacked tensors' leading axis). Lanes that share their
+    factor (the usual case: one --lr, one lam) take one fused kernel per tensor list, as `torch.optim.SGD` does."""
+    if len(set(factors)) == 1:
+        torch._foreach_add_(targets, addends, alpha=factors[0])
+        return
+    per_lane = torch.tensor(factors, device=targets[0].device)
+    shaped = [per_lane.view(-1, *[1] * (t.dim() - 1)).to(t.dtype) for t in addends]
+    torch._foreach_add_(targets, torch._foreach_mul(addends, shaped))
+
+
+def _masked(name: str, masks: collections.deque[torch.Tensor], p: float, x: torch.Tensor) -> torch.Tensor:
+    """A training dropout inside `vmap`: its next mask, recorded for this call."""
+    if p == 0:
+        return x
+    if not masks:
+        raise ConfigError(
+            f"--concurrent-clients: the model's dropout {name} runs where a pass in evaluation mode does not, so its "
+            "masks cannot be drawn ahead: train without --concurrent-clients"
+        )
+    return x * masks.popleft().to(x.dtype)
+
+
+def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm`'s forward as `nn.BatchNorm2d` defines it (batch statistics in training, running ones updated with its
+    momentum and the unbiased variance; running statistics in evaluation), written out in float32 for `vmap`.
+
+    Not `F.batch_norm`, for two reasons: `vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast, and on a
+    GPU the backward of cuDNN's BatchNorm in training mode asks for its gradient in its input's memory layout, a copy
+    that `vmap` cannot make of a batched gradient ("NYI: Tensor.clone(memory_format) inside vmap ... (got
+    ChannelsLast)", seen on an H100 with PyTorch 2.11, in either layout of the input)."""
+    values = x.float()
+    shape = (1, -1) + (1,) * (x.dim() - 2)  # a per-channel vector against [N, C, ...]
+    if norm.training or norm.running_mean is None:
+        dims = [0, *range(2, x.dim())]
+        mean, var = values.mean(dims), values.var(dims, unbiased=False)
+        if norm.training and norm.running_mean is not None and norm.running_var is not None:
+            count = x.numel() / x.size(1)
+            with torch.no_grad():
+                norm.num_batches_tracked.add_(1)  # type: ignore[union-attr, operator]
+                momentum = 1.0 / norm.num_batches_tracked if norm.momentum is None else norm.momentum
+                norm.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
+                norm.running_var.mul_(1 - momentum).add_(var.detach() * (count / (count - 1)) * momentum)
+    else:
+        mean, var = norm.running_mean, norm.running_var
+    normalized = (values - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + norm.eps)
+    if norm.affine:
+        normalized = normalized * norm.weight.reshape(shape) + norm.bias.reshape(shape)
+    return normalized.to(x.dtype)

@@ -1,0 +1,259 @@
+"""The method interface: what a personalization algorithm defines, and nothing the engine already does.
+
+A method holds the paper's update rules only. The engine samples clients, runs each one's update (`client_update`,
+or for `LocalSGDMethod`s several clients' `client_steps` together), passes the uploads to `server_update`,
+evaluates and checkpoints. Private per-client state lives in the
+`ClientStore`, so methods stay stateless between calls apart from what they put there.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from peradapt.adapters import AdapterState, average_states
+from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
+from peradapt.config import MethodConfig
+from peradapt.data import ClientData
+from peradapt.distill import Distiller
+from peradapt.errors import ConfigError
+from peradapt.rundir.store import ClientStore
+from peradapt.seeds import LOCAL, PERSONAL, derive_seed
+
+PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
+
+
+@dataclass
+class ClientUpdate:
+    client_id: int
+    upload: AdapterState  # what the client sends to the server
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MethodContext:
+    config: MethodConfig
+    trainer: LocalTrainer
+    store: ClientStore
+    initial: AdapterState  # the injected adapter before any training: w^0 and every v_m^0
+    distiller: Distiller | None
+    clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
+    run_seed: int = 0  # --seed, for randomness outside the rounds (e.g. fine-tuning at evaluation time)
+    federated: int | None = None  # clients that take part in training (all but --holdout-clients); None: all
+
+
+class Method(ABC):
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    uses_distillation: ClassVar[bool] = False
+    uses_proximal: ClassVar[bool] = False  # has a proximal strength lam that `--lam auto` may choose
+    default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
+    # All its training on client data goes through `LocalTrainer.sgd`, which --dp-noise makes DP-SGD.
+    supports_dp: ClassVar[bool] = False
+    # The model carries a second, personal linear head beside the classifier, zero at start: logits are
+    # generic(h) + personal(h) (`AdaptedModel.add_personal_head`; FedRoD).
+    second_head: ClassVar[bool] = False
+    # Its paper trains every federated client each round and aggregates only the sample (pFedMe, pFedBreD
+    # Algorithm 1): `clients_to_train` returns them all unless --train-clients sampled; the others refuse "all".
+    trains_all_clients: ClassVar[bool] = False
+    # The server's mean over the sampled clients as the paper prints it: "samples" (n_m-weighted) or "uniform";
+    # --aggregation selects the other (the authors' codes and PFLlib differ; docs/METHODS.md says where). None: the
+    # server takes no mean of the uploads (standalone, MTL), and --aggregation is refused.
+    default_aggregation: ClassVar[str | None] = "samples"
+
+    def __init__(self, context: MethodContext) -> None:
+        self.context = context
+        self.config = context.config
+        self.trainer = context.trainer
+        self.store = context.store
+
+    @abstractmethod
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        """Train on one sampled client, starting from what the server sent; return the upload."""
+
+    def server_update(
+        self,
+        global_state: AdapterState,
+        updates: list[ClientUpdate],
+        seed: int,
+        round_index: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[AdapterState, dict[str, float]]:
+        """Build the next global adapter from the uploads of round `round_index` (from 0); return it with metrics to
+        log. Default: the mean of the uploads (`server_mean`), FedAvg's server step, which most methods share."""
+        return self.server_mean(updates), {}
+
+    @abstractmethod
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        """The adapter client `client_id` is evaluated and exported with."""
+
+    def server_mean(self, updates: list[ClientUpdate]) -> AdapterState:
+        """The mean of the uploads: n_m-weighted or plain, as --aggregation (or the paper's default) says."""
+        aggregation = self.config.aggregation or self.default_aggregation
+        weights = [u.num_samples for u in updates] if aggregation == "samples" else None
+        return average_states([u.upload for u in updates], weights)
+
+    def clients_to_train(self, sampled: list[int], federated: list[int]) -> list[int]:
+        """The clients that run `client_update` this round: the sampled ones, or every federated client for methods
+        whose papers train them all (`trains_all_clients`) unless --train-clients sampled; `server_update` always
+        gets the sampled clients' updates only."""
+        if self.trains_all_clients and self.config.train_clients != "sampled":
+            return federated
+        return sampled
+
+    def payload(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        """What the server sends client `client_id` for its update (`client_update`'s `global_state`): the global
+        state itself, unless the method sends each client a model of its own (MTL)."""
+        return global_state
+
+    def server_state(self) -> dict[str, torch.Tensor]:
+        """State the server keeps between rounds beyond the global adapter (FedDyn's h, MTL's client models): saved
+        in every round checkpoint and given back to `load_server_state` on --resume."""
+        return {}
+
+    def load_server_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `server_state` returned at the checkpoint a run resumes from ({} at round 0)."""
+        del tensors  # no server state by default
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """The personalized model of a client that never took part in training, from the final global model.
+
+        Default: one round of the method's own client update against the fixed global model, then the model the
+        method evaluates that client with. Methods whose personalization needs something else override it.
+        """
+        self.client_update(client, global_state, seed)
+        return self.personalized(client.client_id, global_state)
+
+    def local_job(
+        self,
+        client: ClientData,
+        start: AdapterState,
+        seed: int,
+        *,
+        anchor: AdapterState | None = None,
+        lam: float = 0.0,
+    ) -> SGDJob:
+        """The job of E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda
+        Algorithm 1, line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems).
+        `LocalSGDMethod.client_steps` yield it; other callers train it with `LocalTrainer.run`."""
+        config = self.config
+        return SGDJob(
+            start,
+            client.train,
+            epochs=config.local_epochs,
+            steps=config.local_steps,
+            lr=config.lr,
+            seed=derive_seed(seed, LOCAL),
+            anchor=anchor,
+            lam=lam,
+        )
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
+
+
+ClientSteps = Generator[SGDJob, SGDResult, ClientUpdate]
+
+
+class LocalSGDMethod(Method):
+    """A method whose client update is a few runs of local SGD (`SGDJob`s) and bookkeeping between them, written as
+    the generator `client_steps`: it yields each job and is sent the job's result. `client_update` runs the jobs one
+    after another; the engine may instead train several clients' jobs at once (`--concurrent-clients`,
+    `peradapt.compute.concurrent`), to the same numbers."""
+
+    @abstractmethod
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        """`client_update` as SGD jobs: yield each, receive its (state, mean loss), return the update."""
+
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        return self.trainer.run_steps(self.client_steps(client, global_state, seed))
+
+
+def trains_by_sgd_jobs(cls: type[Method]) -> bool:
+    """Whether the method's client update is exactly its `client_steps` SGD jobs: not for a method with update rules
+    of its own, including a `LocalSGDMethod` subclass that overrides `client_update` (Per-FedAvg)."""
+    return issubclass(cls, LocalSGDMethod) and cls.client_update is LocalSGDMethod.client_update
+
+
+class ProximalPersonalization(LocalSGDMethod):
+    """Methods whose personalized model is a stored v_m trained proximal to the global w: PerAda, Ditto, FedProx."""
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return self.stored_personal(client_id)
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        """A new client's v from v = w: S epochs of the proximal personal update towards the fixed global w."""
+        self.store.put(client.client_id, PERSONAL_KEY, global_state)
+        personal, _ = self.trainer.run_steps(self.proximal_personal_steps(client, global_state, seed))
+        return personal
+
+    def stored_personal(self, client_id: int) -> AdapterState:
+        """The client's personalized state, or the initial one for a client that was never sampled."""
+        return self.store.get(client_id, PERSONAL_KEY) or self.context.initial
+
+    def proximal_personal_steps(
+        self, client: ClientData, global_state: AdapterState, seed: int
+    ) -> Generator[SGDJob, SGDResult, SGDResult]:
+        """S epochs of v <- v - eta_p (grad L(v) + lam (v - w)) from the stored v, which it replaces.
+
+        The personalized update shared by PerAda (Algorithm 1, line 10), Ditto and personalized FedProx (eq. 11).
+        """
+        config = self.config
+        personal, loss = yield SGDJob(
+            self.stored_personal(client.client_id),
+            client.train,
+            epochs=config.personal_epochs,
+            lr=config.personal_lr or config.lr,
+            seed=derive_seed(seed, PERSONAL),
+            anchor=global_state,
+            lam=config.lam,
+        )
+        self.store.put(client.client_id, PERSONAL_KEY, personal)
+        return personal, loss
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError(f"unknown --method '{name}': use one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def check_private_method(name: str, private: bool) -> None:
+    """With --dp-noise (`private`), refuse methods whose client training does not all go through `LocalTrainer.sgd`
+    (DP-SGD)."""
+    if not private or method_class(name).supports_dp:
+        return
+    supported = ", ".join(method for method, cls in METHODS.items() if cls.supports_dp)
+    raise ConfigError(
+        f"--method {name} trains clients with update rules of its own, which DP-SGD does not cover: "
+        f"with --dp-noise use one of {supported}"
+    )
+
+
+def build_method(name: str, context: MethodContext) -> Method:
+    cls = method_class(name)
+    if cls.uses_distillation and context.distiller is None:
+        raise ConfigError(f"--method {name} distills on unlabeled data: it needs --kd-data")
+    if context.config.aggregation and cls.default_aggregation is None:
+        raise ConfigError(f"--aggregation: --method {name} takes no mean of the clients' uploads; drop --aggregation")
+    if context.config.train_clients == "all" and not cls.trains_all_clients:
+        raise ConfigError(
+            f"--train-clients all: --method {name} trains only the sampled clients, as its paper does; "
+            "drop --train-clients"
+        )
+    return cls(context)

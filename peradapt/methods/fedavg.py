@@ -1,0 +1,109 @@
+"""FedAvg and FedAvg+FT: one global model, optionally fine-tuned locally before evaluation.
+
+FedAvg: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data"
+(AISTATS 2017), Algorithm 1 (FederatedAveraging). Each round, every sampled client k starts from the global
+state w_t and runs E epochs of minibatch SGD on its own data,
+
+    w^k <- w_t;  w^k <- w^k - eta * grad L_k(w^k)                       E = --local-epochs epochs
+
+and uploads w^k. The server takes the mean weighted by the clients' sample counts n_k over the sampled set S_t,
+
+    w_{t+1} = sum_{k in S_t} (n_k / n) w^k,   n = sum_{k in S_t} n_k.
+
+There is no personalization: every client is evaluated and exported with w. It is the global-model baseline of
+PerAda's Table 2 ("FedAvg, generic FL, Full"), so the whole network trains unless --scope says otherwise.
+
+FedAvg+FT (`fedavg-ft`): the full-model baseline of PerAda's Table 1 ([65] there). FedAvg as above, then each
+client fine-tunes the final global model on its own training data for --ft-epochs epochs before it is evaluated
+or exported (learning rate --personal-lr, default --lr). The fine-tuning is local: it communicates nothing
+(the table's footnote), and it is seeded from (run seed, client id), so evaluating twice gives the same model.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from peradapt.adapters import AdapterState
+from peradapt.data import ClientData
+from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, Method, register
+from peradapt.seeds import derive_seed
+
+FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
+
+
+@register
+class FedAvg(LocalSGDMethod):
+    name = "fedavg"
+    summary = "FedAvg: local SGD from the global model, sample-size weighted mean (McMahan et al., Algorithm 1)"
+    default_scope = "full"
+    supports_dp = True
+
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        local, loss = yield self.local_job(client, global_state, seed)
+        return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return global_state
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        return self.personalized(client.client_id, global_state)  # no training: the global model, as for all
+
+    def parameter_counts(self) -> dict[str, int]:
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": 0, "trained": trainable, "communicated": trainable}
+
+
+class FineTuning(Method):
+    """Personalization by local fine-tuning at evaluation time (FedAvg+FT, FedBABU): client m is evaluated and
+    exported with the global model after --ft-epochs (default: the method's `default_ft_epochs`) of SGD on all its
+    trainable parameters, on its own training data (or --ft-steps minibatch steps: `ft_steps`). It communicates
+    nothing."""
+
+    default_ft_epochs: ClassVar[int]
+    default_ft_steps: ClassVar[int | None] = None  # fine-tuning counted in steps unless --ft-epochs is given
+    supports_dp = False  # it fine-tunes on client data at every evaluation, outside the rounds' accounting
+
+    @property
+    def ft_epochs(self) -> int:
+        return self.default_ft_epochs if self.config.ft_epochs is None else self.config.ft_epochs
+
+    @property
+    def ft_steps(self) -> int | None:
+        """--ft-steps; else, unless --ft-epochs is given, the method's `default_ft_steps`. None: count epochs."""
+        if self.config.ft_steps is not None or self.config.ft_epochs is not None:
+            return self.config.ft_steps
+        return self.default_ft_steps
+
+    def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        seed = derive_seed(self.context.run_seed, client_id, FINETUNE)
+        return self.finetune(global_state, self.context.clients[client_id], seed)
+
+    def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
+        return self.finetune(global_state, client, derive_seed(seed, FINETUNE))
+
+    def finetune(self, global_state: AdapterState, client: ClientData, seed: int) -> AdapterState:
+        """--ft-epochs (or `ft_steps` steps) of SGD on the client's training data from the global model (at
+        --personal-lr)."""
+        config, steps = self.config, self.ft_steps
+        if (self.ft_epochs if steps is None else steps) == 0:
+            return global_state
+        finetuned, _ = self.trainer.sgd(
+            global_state,
+            client.train,
+            epochs=self.ft_epochs,
+            steps=steps,
+            lr=config.personal_lr or config.lr,
+            seed=seed,
+        )
+        return finetuned
+
+
+@register
+class FedAvgFT(FineTuning, FedAvg):
+    name = "fedavg-ft"
+    summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
+    default_ft_epochs = 1
+
+    def parameter_counts(self) -> dict[str, int]:
+        trainable = self.trainer.model.num_trainable()
+        return {"personalized": trainable, "trained": trainable, "communicated": trainable}

@@ -1,0 +1,106 @@
+"""A run directory's layout (`RunPaths`) and its records read back checked: config.json, partition.json,
+report.json. Damage is reported with the file's path and a remedy that works (`peradapt.rundir.files`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from peradapt.config import TrainConfig
+from peradapt.errors import ConfigError, RunError
+from peradapt.rundir.files import PARTITION, REPORT, RESOLVED, check, damaged, read_json
+
+
+@dataclass
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def partition(self) -> Path:
+        return self.root / "partition.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def clients(self) -> Path:
+        return self.root / "clients"
+
+    @property
+    def global_adapter(self) -> Path:
+        return self.root / "global"
+
+    @property
+    def client_store(self) -> Path:
+        return self.root / "client_store"
+
+
+def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
+    """The saved config of the run in `run_dir` and what its settings resolved to (config.json), checked."""
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise RunError(f"{run_dir} is not a peradapt run directory (no config.json): pass the --out of a train run")
+    remedy = (
+        "the run's settings are kept nowhere else: put back a copy of the file, or start a new run with the "
+        "settings it was trained with and another --out"
+    )
+    saved = read_json(paths.config, remedy)
+    check(saved, {"config": dict, "resolved?": RESOLVED}, paths.config, remedy)
+    try:
+        config = TrainConfig.from_dict(saved["config"])
+    except ConfigError as exc:
+        raise damaged(paths.config, str(exc), remedy) from None
+    return config, saved.get("resolved", {})
+
+
+def read_partition(run_dir: Path) -> dict:
+    """The clients' data split of the run in `run_dir` (partition.json), checked against its config."""
+    paths = RunPaths(run_dir)
+    config, _ = read_run_config(run_dir)
+    path = paths.partition
+    remedy = (
+        f"peradapt does not rebuild a run's data split: start a new run with the settings in {paths.config} and "
+        "another --out (the same --seed and --partition give the same split)"
+    )
+    if not path.is_file():
+        raise RunError(f"{path} is missing: {remedy}")
+    partition = read_json(path, remedy)
+    check(partition, PARTITION, path, remedy)
+    clients = partition["clients"]
+    if len(clients) != config.federation.clients:
+        raise damaged(path, f"it has {len(clients)} clients, the run {config.federation.clients}", remedy)
+    for index, client in enumerate(clients):
+        if client["id"] != index:
+            raise damaged(path, f"clients[{index}].id is {client['id']}", remedy)
+        if sum(client["train_histogram"]) != len(client["train"]):
+            raise damaged(path, f"clients[{index}].train_histogram does not count its train list", remedy)
+        if len(client["train_histogram"]) != len(clients[0]["train_histogram"]):
+            raise damaged(path, "the clients' train histograms differ in length", remedy)
+    return partition
+
+
+def read_report(run_dir: Path) -> dict | None:
+    """The final evaluation of the run in `run_dir` (report.json), checked; None: the run has not finished."""
+    path = RunPaths(run_dir).report
+    if not path.is_file():
+        return None
+    remedy = f"rewrite it with `peradapt train --out {run_dir} --resume`, which redoes the final evaluation and export"
+    report = read_json(path, remedy)
+    check(report, REPORT, path, remedy)
+    privacy = report.get("privacy")
+    if privacy is not None and len(privacy["epsilon"]["per_client"]) != len(report["clients"]):
+        raise damaged(path, "privacy.epsilon.per_client and clients differ in length", remedy)
+    return report
