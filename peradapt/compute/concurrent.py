@@ -344,7 +344,10 @@ def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     shape = (1, -1) + (1,) * (x.dim() - 2)  # a per-channel vector against [N, C, ...]
     if norm.training or norm.running_mean is None:
         dims = [0, *range(2, x.dim())]
-        mean, var = values.mean(dims), values.var(dims, unbiased=False)
+        # Statistics summed in the precision of PyTorch's own BatchNorm kernels (double on CPU, float on a GPU), so
+        # that they round as one client alone would: full-model training carries their rounding from step to step.
+        exact = values.double() if x.device.type == "cpu" else values
+        mean, var = exact.mean(dims).to(values.dtype), exact.var(dims, unbiased=False).to(values.dtype)
         if norm.training and norm.running_mean is not None and norm.running_var is not None:
             count = x.numel() / x.size(1)
             with torch.no_grad():
