@@ -6,7 +6,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DEMO_RUN ?= runs/demo
 
-.PHONY: install install-test fmnist demo test lint gpu-check
+.PHONY: install install-test fmnist demo test lint settings-doc gpu-check
 
 install:
 	$(PIP) install -e .
@@ -31,6 +31,10 @@ test: install-test
 
 lint: install-test
 	ruff check . && ruff format --check .
+
+# docs/SETTINGS.md, generated from the settings' declarations (tests/test_settings.py checks that it is current).
+settings-doc:
+	$(PYTHON) -c "from peradapt.config import settings_markdown; print(settings_markdown(), end='')" > docs/SETTINGS.md
 
 # On a machine with a CUDA GPU, no network needed: the tests marked cuda, then the GPU benchmark figures, in one
 # JSON (gpu-check.json). Installs without dependencies when they are there already (an offline GPU box).

@@ -2,12 +2,14 @@
 
 The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`; see
 `peradapt.api`) does what the commands do. Importing peradapt registers the residual adapter with PEFT (so exported
-adapters load with a plain `peft.PeftModel.from_pretrained`) and the narrow ResNets (`resnet18_w16`, ...) with timm.
+adapters load with a plain `peft.PeftModel.from_pretrained`), the narrow ResNets (`resnet18_w16`, ...) with timm, and
+the built-in methods (so that a config knows their settings, `peradapt.config.METHODS`).
 """
 
 from typing import Any
 
 from peradapt import backbones as _backbones  # noqa: F401  (registers narrow ResNets with timm)
+from peradapt import methods as _methods  # noqa: F401  (registers the built-in methods and their settings)
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.config import TrainConfig
 from peradapt.errors import PeradaptError

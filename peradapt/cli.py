@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import click
 import typer
+import typer.core
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from peradapt import api
-from peradapt.config import DISK_STORE_ABOVE, TrainConfig
+from peradapt.config import listed_settings
 from peradapt.errors import ConfigError, Interrupted, PeradaptError
-from peradapt.methods import METHODS
+from peradapt.methods import METHODS, method_class
+from peradapt.methods.base import trains_by_sgd_jobs
 from peradapt.presets import PRESETS
 from peradapt.progress import text_console
+from peradapt.settings import Setting, declared_settings
 
 try:
     from typer import TyperException as UsageError  # typer >= 0.26, which vendors click
@@ -33,11 +40,19 @@ app = typer.Typer(
 out_console = text_console()
 err_console = text_console(stderr=True, soft_wrap=True)  # paths and messages stay on one line in logs
 
-_DEFAULTS = TrainConfig().to_flat()
 
+class PlainTextCommand(typer.core.TyperCommand):
+    """A command whose help texts print as written, brackets included ("needs peradapt[hf-data]"). Typer's rich
+    help parses markup in them, and its only other modes (Markdown, or none: click's plain help without panels)
+    would read `*`, `_` and `<class>` or lose the panels; so every text is escaped once, here."""
 
-def _default(key: str) -> str:
-    return f"\\[default: {_DEFAULTS[key]}]"  # escaped: rich would read [..] as markup
+    def __init__(self, *args: Any, params: list[click.Parameter], help: str | None = None, **kwargs: Any) -> None:
+        for param in params:
+            if (isinstance(param, click.Option) and param.help) or (
+                isinstance(param, typer.core.TyperArgument) and param.help
+            ):
+                param.help = escape(param.help)
+        super().__init__(*args, params=params, help=escape(help) if help else help, **kwargs)
 
 
 Opt = typer.Option
@@ -45,7 +60,7 @@ INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation;
 RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
 
 
-@app.command()
+@app.command(cls=PlainTextCommand)
 def pretrain(
     data: Annotated[str, Opt(help="Dataset whose labeled pretraining split trains the backbone.")] = "fmnist",
     backbone: Annotated[
@@ -55,12 +70,12 @@ def pretrain(
     batch_size: Annotated[int, Opt(help="Minibatch size.")] = 128,
     lr: Annotated[
         float | None,
-        Opt(help="Peak learning rate of the one-cycle schedule \\[default: 0.05 (SGD); ViTs: 0.001 (AdamW)]."),
+        Opt(help="Peak learning rate of the one-cycle schedule [default: 0.05 (SGD); ViTs: 0.001 (AdamW)]."),
     ] = None,
     limit_samples: Annotated[int | None, Opt(help="Use at most this many images (smoke runs).")] = None,
     data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
     download: Annotated[bool, Opt(help="Download the dataset if missing (needs a network).")] = False,
-    out: Annotated[Path | None, Opt(help="Weights file to write \\[default: the store `train` looks in].")] = None,
+    out: Annotated[Path | None, Opt(help="Weights file to write [default: the store `train` looks in].")] = None,
     seed: Annotated[int, Opt(help="Random seed.")] = 0,
     device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
@@ -90,375 +105,48 @@ def pretrain(
         )
 
 
-@app.command()
+class TrainCommand(PlainTextCommand):
+    """`train`: the options its function declares, then one per setting, generated from the declarations when the
+    command is built (the shared config's and every registered method's), each in its help panel. The function gets
+    its own options; it reads the settings from the context."""
+
+    def __init__(self, *args: Any, params: list[click.Parameter], **kwargs: Any) -> None:
+        self.own_options = {param.name for param in params}
+        options = [_setting_option(declared, panel) for declared, panel in listed_settings() if declared.flag]
+        super().__init__(*args, params=[*params, *options], **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        assert self.callback is not None
+        return ctx.invoke(self.callback, **{k: v for k, v in ctx.params.items() if k in self.own_options})
+
+
+def _setting_option(declared: Setting, panel: str) -> click.Option:
+    """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`);
+    default None, so that a flag not given leaves the preset's or config file's value."""
+    help_text = declared.help_text()
+    if declared.base_type != "bool" and (declared.default is not None or declared.shown_default is not None):
+        help_text += f" [default: {declared.default_text()}]"
+    kinds = {"bool": bool, "int": int, "float": float, "str": str}
+    return typer.core.TyperOption(
+        param_decls=[declared.flag_name, declared.name],
+        type=None if declared.base_type == "bool" else str if declared.auto else kinds[declared.base_type],
+        is_flag=declared.base_type == "bool",
+        multiple=declared.repeatable,
+        default=None,
+        help=help_text,
+        metavar=declared.metavar,
+        rich_help_panel=panel,
+    )
+
+
+def given_settings(context: click.Context, *, leave_out: Collection[str]) -> dict[str, Any]:
+    """The settings a command line gave (a repeatable flag not given is an empty tuple)."""
+    return {k: v for k, v in context.params.items() if k not in leave_out and v is not None and v != ()}
+
+
+@app.command(cls=TrainCommand)
 def train(
-    data: Annotated[
-        str | None,
-        Opt(
-            help="Dataset: fmnist, cifar10, cifar100, svhn, stl10, office-home, chexpert, imagefolder:PATH "
-            "(PATH/<class>/<images>, or PATH/train/ and PATH/test/ of class folders) or hf:NAME_OR_PATH[:CONFIG] "
-            "(a Hugging Face dataset: save_to_disk directory, parquet, or a Hub name; needs peradapt[hf-data]). "
-            f"Image files are decoded once and cached in $PERADAPT_HOME/cache. {_default('data')}"
-        ),
-    ] = None,
-    clients: Annotated[int | None, Opt(help=f"Number of clients M. {_default('clients')}")] = None,
-    method: Annotated[str | None, Opt(help=f"{' | '.join(METHODS)}. {_default('method')}")] = None,
-    backbone: Annotated[
-        str | None,
-        Opt(
-            help="timm model name, with a pretrained tag if wanted (resnet18, resnet18.tv_in1k, resnet18_w16, "
-            "vit_small_patch16_224, vit_tiny_p4_32, ...; published weights are fetched once into the Hugging Face "
-            "cache) or "
-            "hf:DIR_OR_ID (a transformers image classifier from a directory or the local Hugging Face cache). "
-            f"{_default('backbone')}"
-        ),
-    ] = None,
-    weights: Annotated[Path | None, Opt(help="Backbone weights (safetensors) \\[default: from `pretrain`].")] = None,
-    adapter: Annotated[
-        str | None,
-        Opt(
-            help="residual (PerAda's, default for ResNets; on ViTs a bottleneck adapter on every block's MLP) or "
-            "lora (default for ViTs: attention and MLP projections)."
-        ),
-    ] = None,
-    adapter_dropout: Annotated[
-        float | None, Opt(help=f"Dropout inside adapters. {_default('adapter_dropout')}")
-    ] = None,
-    lora_rank: Annotated[
-        int | None, Opt(help=f"LoRA rank; bottleneck width of ViT residual adapters. {_default('lora_rank')}")
-    ] = None,
-    scope: Annotated[
-        str | None, Opt(help="adapter (frozen backbone) or full (whole network) \\[default: the method's]")
-    ] = None,
-    personal_part: Annotated[
-        str | None, Opt(help="Partial-model methods: bn, head, input, output or adapter \\[default: the method's]")
-    ] = None,
-    partition: Annotated[
-        str | None,
-        Opt(
-            help="dir:ALPHA, iid, classes:K (over meta-categories for chexpert), domain (office-home, --clients 4: "
-            "client i gets domain i), dir-balanced:ALPHA (the PerAda authors' Dirichlet split: 2 samples of every "
-            "class per client, clients capped at an even share, test split with the same proportions) or file:PATH "
-            "(a peradapt partition.json, or the authors' JSON of client number -> rows and -1 -> validation rows). "
-            f"{_default('partition')}"
-        ),
-    ] = None,
-    rounds: Annotated[int | None, Opt(help=f"Communication rounds T. {_default('rounds')}")] = None,
-    clients_per_round: Annotated[
-        int | None, Opt(help=f"Clients sampled per round C. {_default('clients_per_round')}")
-    ] = None,
-    local_epochs: Annotated[int | None, Opt(help=f"Epochs E on the local adapter. {_default('local_epochs')}")] = None,
-    local_steps: Annotated[
-        int | None,
-        Opt(
-            help="Local work as N minibatch steps instead of --local-epochs (pFedMe and pFedBreD count R = 20 "
-            "iterations) \\[default: --local-epochs].",
-            metavar="N",
-        ),
-    ] = None,
-    personal_epochs: Annotated[
-        int | None, Opt(help=f"Epochs S on the personalized adapter. {_default('personal_epochs')}")
-    ] = None,
-    body_epochs: Annotated[
-        int | None,
-        Opt(
-            help="FedRep: epochs on the shared body after --personal-epochs on the head (it ignores --local-epochs; "
-            f"Collins et al.: 1, 5 on some datasets). {_default('body_epochs')}"
-        ),
-    ] = None,
-    lam: Annotated[
-        str | None,
-        Opt(
-            help=f"Proximal strength λ towards the global model, or auto (personalized-FedProx rule). {_default('lam')}"
-        ),
-    ] = None,
-    lr: Annotated[float | None, Opt(help=f"Client SGD learning rate. {_default('lr')}")] = None,
-    personal_lr: Annotated[float | None, Opt(help="Learning rate of personalized models \\[default: --lr].")] = None,
-    ft_epochs: Annotated[
-        int | None, Opt(help="Fine-tuning epochs of fedavg-ft and fedbabu \\[default: the method's: 1, 5].")
-    ] = None,
-    inner_steps: Annotated[int | None, Opt(help=f"pFedMe/pFedBreD inner steps K. {_default('inner_steps')}")] = None,
-    beta: Annotated[
-        float | None, Opt(help=f"Server step: β of pFedMe/pFedBreD, γλ of fedprox. {_default('beta')}")
-    ] = None,
-    mu: Annotated[
-        float | None, Opt(help=f"fedprox-li: proximal strength μ towards the global model. {_default('mu')}")
-    ] = None,
-    aggregation: Annotated[
-        str | None,
-        Opt(
-            help="The server's mean over the sampled clients: samples (weighted by their sample counts) or uniform "
-            "(e.g. the PerAda authors' FedAvg) \\[default: the method's paper: uniform for perada, apfl, pfedme, "
-            "pfedbred, perfedavg, fedprox, feddyn and fedrep, samples for the others; standalone and mtl average "
-            "nothing]."
-        ),
-    ] = None,
-    train_clients: Annotated[
-        str | None,
-        Opt(
-            help="Who trains each round: all (every client, the server averaging only the sampled ones: pFedMe and "
-            "pFedBreD, Algorithm 1) or sampled \\[default: the method's paper].",
-        ),
-    ] = None,
-    am: Annotated[
-        bool | None, Opt("--am", help="pFedMe/pFedBreD aggregate momentum: server step β = 2, overriding --beta.")
-    ] = None,
-    prior: Annotated[
-        str | None,
-        Opt(
-            help="pFedBreD prior mean: lg, meg, mh (Eq. 14) or mh-code (the authors' code's mh: the Eq. 24 look-ahead "
-            f"gradient on a second minibatch, w stepped by it, the inner problem started there). {_default('prior')}"
-        ),
-    ] = None,
-    prior_lr: Annotated[
-        float | None, Opt(help=f"pFedBreD meta-step η_α on the loss gradient (lg, mh, mh-code). {_default('prior_lr')}")
-    ] = None,
-    prior_eta: Annotated[
-        float | None, Opt(help=f"pFedBreD meta-step η on the memorized envelope gradient. {_default('prior_eta')}")
-    ] = None,
-    apfl_alpha: Annotated[float | None, Opt(help=f"APFL initial mixing weight α. {_default('apfl_alpha')}")] = None,
-    alpha_lr: Annotated[float | None, Opt(help="APFL step size of α (0: α stays fixed) \\[default: --lr].")] = None,
-    ft_steps: Annotated[
-        int | None,
-        Opt(
-            help="Fine-tuning methods (fedavg-ft, perfedavg, ...): fine-tune with N minibatch steps instead of "
-            "--ft-epochs (0: none) \\[default: perfedavg 1 unless --ft-epochs is given, the paper's one step; the "
-            "others --ft-epochs].",
-            metavar="N",
-        ),
-    ] = None,
-    feddyn_alpha: Annotated[
-        float | None, Opt(help=f"FedDyn α: weight of the dynamic regularizer. {_default('feddyn_alpha')}")
-    ] = None,
-    feddyn_client_alpha: Annotated[
-        str | None,
-        Opt(
-            help="FedDyn α per client: uniform (Algorithm 1) or by-size (the authors' code: α·n̄/n_k, n_k the "
-            f"client's samples, n̄ their mean). {_default('feddyn_client_alpha')}"
-        ),
-    ] = None,
-    perfedavg_variant: Annotated[
-        str | None,
-        Opt(
-            help="Per-FedAvg meta-gradient: hf (Hessian-free: finite-difference Hessian-vector product) or fo "
-            f"(first-order, as PFLlib). {_default('perfedavg_variant')}"
-        ),
-    ] = None,
-    perfedavg_delta: Annotated[
-        float | None, Opt(help=f"Per-FedAvg (HF) finite-difference step δ. {_default('perfedavg_delta')}")
-    ] = None,
-    ala_sample: Annotated[
-        float | None,
-        Opt(help=f"FedALA s: percent of the local data ALA learns its weights on. {_default('ala_sample')}"),
-    ] = None,
-    ala_layers: Annotated[
-        int | None,
-        Opt(help=f"FedALA p: ALA on the last p layers (1: the head; 0: all). {_default('ala_layers')}"),
-    ] = None,
-    ala_lr: Annotated[
-        float | None, Opt(help=f"FedALA η: step size of the aggregation weights. {_default('ala_lr')}")
-    ] = None,
-    mtl_omega: Annotated[
-        str | None,
-        Opt(
-            help="MTL task relationships Ω: mean (fixed (I - 11ᵀ/M)², mean-regularized) or learned (MOCHA's "
-            f"Ω-step every round, as the authors' code). {_default('mtl_omega')}"
-        ),
-    ] = None,
-    personal_head_init: Annotated[
-        str | None,
-        Opt(
-            help="FedRoD: each client's personal head at start: zero (the global model is then the generic one) "
-            f"or generic (a copy of the initial generic head, as PFLlib). {_default('personal_head_init')}"
-        ),
-    ] = None,
-    batch_size: Annotated[int | None, Opt(help=f"Client minibatch size. {_default('batch_size')}")] = None,
-    server_lr: Annotated[float | None, Opt(help=f"Distillation Adam learning rate. {_default('server_lr')}")] = None,
-    kd_steps: Annotated[int | None, Opt(help=f"Distillation steps R per round. {_default('kd_steps')}")] = None,
-    kd_batch_size: Annotated[int | None, Opt(help=f"Distillation batch size. {_default('kd_batch_size')}")] = None,
-    kd_data: Annotated[
-        str | None,
-        Opt(
-            help="Unlabeled distillation data: auto (the dataset's own split, STL-10's unlabeled split for stl10, "
-            "or the paper's choice: cifar100 for cifar10, cifar10 for the others), digits, fmnist, cifar10, "
-            "cifar100, svhn, stl10 (its 100,000 unlabeled images), imagefolder:PATH or hf:NAME (their images, "
-            "labels ignored)."
-        ),
-    ] = None,
-    kd_temperature: Annotated[float | None, Opt(help=f"Distillation temperature. {_default('kd_temperature')}")] = None,
-    kd_rounds: Annotated[
-        int | None,
-        Opt(
-            help="Distill only in the first N rounds, then only average (the authors' code: 30 of 200 on CIFAR-10); "
-            f"0: every round, as Algorithm 1. {_default('kd_rounds')}",
-            metavar="N",
-        ),
-    ] = None,
-    kd_mode: Annotated[
-        str | None,
-        Opt(
-            help="eval: teachers and student in inference mode (teacher logits computed once per round); train: "
-            "dropout on and BatchNorm on each distillation batch's statistics, the student's running statistics "
-            f"following the distillation data (the authors' code). {_default('kd_mode')}"
-        ),
-    ] = None,
-    kd_augment: Annotated[
-        str | None,
-        Opt(help=f"Distillation images: none, or crop-flip at every step (the authors'). {_default('kd_augment')}"),
-    ] = None,
-    kd_loss: Annotated[
-        str | None,
-        Opt(
-            help="softmax: KL of the softmaxes (the paper's σ, also for CheXpert's 5 labels); bernoulli: per-label "
-            f"KL of the sigmoids (multi-label tasks). {_default('kd_loss')}"
-        ),
-    ] = None,
-    kd_image_size: Annotated[
-        int | None,
-        Opt(
-            help="Distillation images at PX px (the authors' code: CIFAR-10 at 32 px for Office-Home and CheXpert) "
-            "\\[default: the model's input size].",
-            metavar="PX",
-        ),
-    ] = None,
-    kd_normalization: Annotated[
-        str | None,
-        Opt(
-            help="Distillation images normalized with the clients' data statistics (model) or the distillation "
-            f"set's own (own, the authors'). {_default('kd_normalization')}"
-        ),
-    ] = None,
-    kd_eval_every: Annotated[
-        int | None,
-        Opt(
-            help="Check the student on the validation split every N distillation steps, keeping the best "
-            "(the authors' code: 1; 10 on CheXpert) \\[default: 0: ten checks per round].",
-            metavar="N",
-        ),
-    ] = None,
-    kd_patience: Annotated[
-        int | None,
-        Opt(help="Stop distilling after N checks without a better student (0: never). \\[default: 0]", metavar="N"),
-    ] = None,
-    frozen_bn: Annotated[
-        str | None,
-        Opt(
-            help="The frozen backbone's BatchNorms during client training: eval (pretrained statistics) or train "
-            "(batch statistics, running statistics re-estimated on each client's data: the authors' code). "
-            f"{_default('frozen_bn')}"
-        ),
-    ] = None,
-    eval_every: Annotated[
-        int | None, Opt(help=f"Evaluate every N rounds (0: only at the end). {_default('eval_every')}")
-    ] = None,
-    holdout_clients: Annotated[
-        int | None,
-        Opt(help=f"Keep the last K clients out of training, for `peradapt personalize`. {_default('holdout_clients')}"),
-    ] = None,
-    client_store: Annotated[
-        str | None,
-        Opt(
-            help="Where clients' private state (e.g. PerAda's personalized adapters) lives between rounds: memory "
-            "(and in every checkpoint), disk (OUT/client_store/, a safetensors file per client; memory holds only "
-            f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients, and always with --engine flower. "
-            f"{_default('client_store')}"
-        ),
-    ] = None,
-    engine: Annotated[
-        str | None,
-        Opt(
-            help="builtin (clients simulated in this process, one after the other or --concurrent-clients at once) "
-            "or flower (the same rounds with "
-            "clients in Flower ClientApps, simulated here with Ray; docs/DEPLOY.md runs them on other machines). "
-            f"{_default('engine')}"
-        ),
-    ] = None,
-    concurrent_clients: Annotated[
-        int | None,
-        Opt(
-            help="Train up to K of a round's clients at once on the one device, sharing the frozen backbone (one "
-            "batched pass for all of them); on CPU the same numbers as one after another, to float rounding (on a "
-            "GPU, other dropout draws). For methods "
-            "whose client update is local SGD (perada, ditto, fedprox, fedavg, ...; others say so and train one "
-            "after another) on the builtin engine, without --dp-noise. Faster where kernel launches dominate (a "
-            "GPU and a small model); slower on CPU (docs/BENCHMARKS.md). May change on --resume. "
-            f"{_default('concurrent_clients')}",
-            metavar="K",
-        ),
-    ] = None,
-    dp_noise: Annotated[
-        float | None,
-        Opt(
-            help="Differential privacy: train clients with DP-SGD (opacus) at noise multiplier SIGMA; needs --dp-clip. "
-            "Each client's ε is accounted across rounds and reported.",
-            metavar="SIGMA",
-        ),
-    ] = None,
-    dp_clip: Annotated[
-        float | None, Opt(help="DP-SGD: clip every sample's gradient to this L2 norm C.", metavar="C")
-    ] = None,
-    dp_delta: Annotated[
-        float | None, Opt(help=f"DP-SGD: the δ at which each client's ε is reported. {_default('dp_delta')}")
-    ] = None,
-    limit_samples: Annotated[int | None, Opt(help="Cut every split to at most K images (smoke runs).")] = None,
-    image_size: Annotated[
-        int | None,
-        Opt(
-            help="Resize images to PX x PX \\[default: a ViT's input size (vit_small_patch16_224: 224); else native "
-            "size, 224 for office-home and chexpert, decoded once and cached in $PERADAPT_HOME/cache].",
-            metavar="PX",
-        ),
-    ] = None,
-    augment: Annotated[
-        str | None,
-        Opt(
-            help="Client training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or "
-            f"resized-crop (random 5-100% area crop + flip: the authors' CheXpert). {_default('augment')}"
-        ),
-    ] = None,
-    channels: Annotated[
-        int | None,
-        Opt(help="1 or 3: grey images as 3 equal channels, as the authors' CheXpert \\[default: the dataset's]."),
-    ] = None,
-    resize: Annotated[
-        str | None,
-        Opt(
-            help="Images decoded from files (office-home, chexpert): squeeze (whole image to a square) or "
-            f"center-crop (shorter side to the size, then the central square: the authors'). {_default('resize')}"
-        ),
-    ] = None,
-    normalization: Annotated[
-        str | None,
-        Opt(
-            help="Input statistics: auto (the backbone weights' own where known, else the data's) or data (the "
-            f"dataset's, as the authors' code does with torchvision weights). {_default('normalization')}"
-        ),
-    ] = None,
-    offline: Annotated[
-        bool | None,
-        Opt("--offline", help="Never fetch backbone weights from the hub: only the local cache (HF_HUB_OFFLINE=1)."),
-    ] = None,
-    seed: Annotated[int | None, Opt(help=f"Random seed (partition, sampling, training). {_default('seed')}")] = None,
-    device: Annotated[str | None, Opt(help=f"auto, cpu or cuda. {_default('device')}")] = None,
-    log: Annotated[
-        list[str] | None,
-        Opt(
-            help="Experiment tracking, repeatable or comma-separated: tensorboard (RUN/tensorboard), wandb, mlflow "
-            "(each an extra: pip install 'peradapt\\[tensorboard]', 'peradapt\\[wandb]', 'peradapt\\[mlflow]'), "
-            "or none; may change on --resume \\[default: none].",
-            metavar="TRACKER",
-        ),
-    ] = None,
-    data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
-    image_column: Annotated[
-        str | None, Opt(help="--data hf:NAME: the column of images \\[default: its Image feature].", metavar="NAME")
-    ] = None,
-    label_column: Annotated[
-        str | None,
-        Opt(help="--data hf:NAME: the column of labels \\[default: its ClassLabel, or label, ...].", metavar="NAME"),
-    ] = None,
-    download: Annotated[bool | None, Opt("--download", help="Download missing datasets (needs a network).")] = None,
-    out: Annotated[Path | None, Opt(help="Run directory \\[default: runs/DATA-METHOD-seedSEED].")] = None,
+    context: typer.Context,
     resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     preset: Annotated[
         str | None,
@@ -470,8 +158,7 @@ def train(
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    flags = {k: v for k, v in locals().items() if k not in ("resume", "config", "preset")}
-    settings = {k: v for k, v in flags.items() if v is not None}
+    settings = given_settings(context, leave_out=("resume", "config", "preset"))
     train_config = api.training_config(resume=resume, preset=preset, config_file=config, **settings)
     report = api.train(train_config, resume=resume, console=err_console)
     from peradapt.evaluation import results_table
@@ -486,7 +173,7 @@ def train(
     out_console.print(f"run directory: {train_config.out}")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=PlainTextCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def compare(
     context: typer.Context,
     methods: Annotated[str, Opt(help="Comma-separated methods, e.g. perada,perada-nokd,ditto.", show_default=False)],
@@ -517,7 +204,7 @@ def compare(
     out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}")
 
 
-@app.command("eval")
+@app.command("eval", cls=PlainTextCommand)
 def evaluate(
     run: RunDir,
     ood: Annotated[
@@ -548,7 +235,7 @@ def evaluate(
     out_console.print(f"written to {run / 'eval.json'}")
 
 
-@app.command()
+@app.command(cls=PlainTextCommand)
 def export(
     run: RunDir,
     out: Annotated[Path, Opt(help="Directory to write the adapters and backbone to.", show_default=False)],
@@ -584,7 +271,7 @@ def export(
         out_console.print(f"uploaded to {url}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=PlainTextCommand)
 def personalize(
     run: RunDir,
     new_client: Annotated[
@@ -619,7 +306,7 @@ def personalize(
     out_console.print(f"personalized model written to {result['adapter']}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=PlainTextCommand)
 def info(
     run: Annotated[
         Path | None, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)
@@ -694,24 +381,78 @@ def _print_preset(name: str) -> None:
 
     record = read_preset(name)
     table = Table(title=f"preset {name}: `peradapt train --preset {name}` (flags win)")
-    for column in ("setting", "preset", "peradapt default", "why"):
+    for column in ("setting", "preset", "peradapt default", "why", "the setting"):
         table.add_column(column, overflow="fold")
-    for key, value, default, note in preset_rows(name):
-        table.add_row(f"--{key.replace('_', '-')}", str(value), "auto" if default is None else str(default), note)
-    console = out_console if out_console.is_terminal else text_console(width=200)
+    for declared, value, note in preset_rows(name):
+        flag = f"{declared.flag_name} ({declared.symbol})" if declared.symbol else declared.flag_name
+        table.add_row(flag, str(value), declared.default_text(), note, declared.help_text())
+    console = out_console if out_console.is_terminal else text_console(width=240)
     console.print(record["description"], soft_wrap=True, highlight=False, markup=False)
     console.print(table)
     console.print(f"from the authors' {record['source']}", soft_wrap=True, highlight=False, markup=False)
 
 
-@app.command()
+@app.command("methods", cls=PlainTextCommand)
+def list_methods(
+    name: Annotated[
+        str | None, typer.Argument(help="A method's name: its description and settings in full.", show_default=False)
+    ] = None,
+) -> None:
+    """Every registered method: what it is, its paper, its defaults and its own settings; or one method in full."""
+    console = out_console if out_console.is_terminal else text_console(width=200)
+    if name is not None:
+        _print_method(method_class(name), console)
+        return
+    table = Table(title="methods (`peradapt methods NAME`: one in full; `peradapt train --method NAME`)")
+    for column in ("method", "summary (paper)", "scope", "server mean", "own settings [default]"):
+        table.add_column(column, overflow="fold")
+    for method, cls in METHODS.items():
+        own = [_setting_line(declared) for declared in declared_settings(cls.settings_class)]
+        table.add_row(method, cls.summary, cls.default_scope, str(cls.default_aggregation or "none"), "\n".join(own))
+    console.print(table)
+
+
+def _setting_line(declared: Setting) -> str:
+    symbol = f" ({declared.symbol})" if declared.symbol else ""
+    return f"{declared.flag_name}{symbol} [{declared.default_text()}]"
+
+
+def _print_method(cls: type, console: Any) -> None:
+    """One method: its summary, its module's description (paper, update rules, conventions), what it supports,
+    and its settings."""
+    console.print(f"{cls.name}: {cls.summary}", soft_wrap=True, highlight=False)
+    console.print(inspect.getdoc(sys.modules[cls.__module__]) or "", highlight=False)
+    facts = {
+        "default scope": cls.default_scope,
+        "server mean": cls.default_aggregation or "none (the server averages nothing)",
+        "distills on unlabeled data": "yes" if cls.uses_distillation else "no",
+        "--lam auto": "yes" if cls.uses_proximal else "no",
+        "--dp-noise": "yes" if cls.supports_dp else "no",
+        "--concurrent-clients": "yes" if trains_by_sgd_jobs(cls) else "no (clients train one after another)",
+        "trains": "every federated client each round" if cls.trains_all_clients else "the sampled clients",
+    }
+    for fact, value in facts.items():
+        console.print(f"{fact}: {value}", highlight=False)
+    own = declared_settings(cls.settings_class)
+    if not own:
+        console.print("settings of its own: none (the shared ones: `peradapt train --help`)", highlight=False)
+        return
+    table = Table(title=f"settings of {cls.name} (the shared ones: `peradapt train --help`)")
+    for column in ("flag", "symbol", "default", "values", "help"):
+        table.add_column(column, overflow="fold")
+    for d in own:
+        table.add_row(d.flag_name, d.symbol, d.default_text(), d.allowed(), d.help_text())
+    console.print(table)
+
+
+@app.command(cls=PlainTextCommand)
 def report(
     runs: Annotated[
         list[Path], typer.Argument(metavar="RUN", help="Finished run directories (`peradapt train --out`).")
     ],
     out: Annotated[
         Path | None,
-        Opt(help="Directory for the plots and tables \\[default: the run's own directory for one run, else reports/]."),
+        Opt(help="Directory for the plots and tables [default: the run's own directory for one run, else reports/]."),
     ] = None,
 ) -> None:
     """Plots (accuracy per round, per client) and a Markdown/JSON table comparing finished runs."""

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from peradapt.config import TrainConfig
+from peradapt.config import TrainConfig, setting_owners, settings_for_method
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.engine import resume_config
@@ -44,15 +44,27 @@ def compare(
         raise ConfigError(f"compare sets {', '.join(fixed)} itself: leave them out (use --methods, --seeds, --out)")
     if not methods or not seeds:
         raise ConfigError("compare needs at least one method in --methods and one seed")
-    configs = {
+    for method in methods:
+        method_class(method)  # unknown names stop the comparison before anything trains
+    for key in settings:
+        owners = setting_owners(key.replace("-", "_"))
+        if owners and not set(owners) & set(methods):
+            raise ConfigError(
+                f"--{key.replace('_', '-')} is a setting of {', '.join(owners)}: none of --methods "
+                f"{', '.join(methods)} takes it"
+            )
+    configs = {  # each method gets the settings it takes: a method's own settings are refused by the others
         (method, seed): TrainConfig.from_flat(
-            {**settings, "method": method, "seed": seed, "out": str(out / f"{method}-seed{seed}")}
+            {
+                **settings_for_method(settings, method),
+                "method": method,
+                "seed": seed,
+                "out": str(out / f"{method}-seed{seed}"),
+            }
         )
         for method in methods
         for seed in seeds
     }
-    for method in methods:
-        method_class(method)  # unknown names stop the comparison before anything trains
     rows = []
     for method in methods:
         reports = [_run(configs[method, seed], console) for seed in seeds]

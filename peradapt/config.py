@@ -1,22 +1,27 @@
-"""Run configuration: one dataclass per concern, one flat namespace of keys.
+"""Run configuration: one dataclass per concern, one flat namespace of keys, every setting declared once.
 
-Every field name is unique across sections, so a config file (YAML or JSON) and the command-line flags use
-the same flat keys (`clients`, `lam`, `kd_steps`, ...) while library code reads `config.method.lam`.
+Every field is a `peradapt.settings.setting` (type, default, help, bounds or choices, help panel): the `train`
+flags, config-file keys, config.json and their checks all come from these declarations. Every name is unique across
+sections, so a config file (YAML or JSON) and the command-line flags use the same flat keys (`clients`, `lam`,
+`kd_steps`, ...) while library code reads `config.method.lam`.
+
+The sections hold what the engine and several methods use. A method's own settings (FedDyn's α, pFedMe's K, ...)
+are a dataclass in the method's own file, its `Method.settings_class`. The method registry is `METHODS` here (which
+`peradapt.methods` fills and re-exports), so their keys are known here without importing the layer above, and
+`TrainConfig.method_settings` holds the chosen method's. A method's setting given to another method is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peradapt.errors import ConfigError
+from peradapt.settings import NoSettings, Setting, declared_settings, markdown_table, setting
 
-# Settings reach torch as float32, which holds no larger magnitude (torch refuses to convert one).
-FLOAT32_MAX = 3.4028234663852886e38
 # BatchNorm in training mode normalizes a batch by its own statistics, which one sample has not: client minibatches
 # (and distillation batches under --kd-mode train) hold 2 samples or more.
 MIN_BATCH_SIZE = 2
@@ -29,390 +34,46 @@ MIN_DP_NOISE = 1e-70
 # Images are resized once and held in memory (a client pool of 10,000 RGB images at 4096 px: 500 GB): larger sizes
 # only end in an allocation failure. Backbones take 224-518 px.
 MAX_IMAGE_SIZE = 4096
-
-
-@dataclass
-class DataConfig:
-    data: str = "fmnist"
-    data_dir: str | None = None
-    partition: str = "dir:0.1"
-    kd_data: str = "auto"
-    limit_samples: int | None = None
-    image_size: int | None = None  # None: a ViT's input size; else native, or 224 px for data decoded from files
-    download: bool = False
-    # Client-training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or resized-crop
-    # (RandomResizedCrop to the model's size, area scale in [0.05, 1], + flip: the authors' CheXpert pipeline).
-    augment: str = "auto"
-    channels: int | None = None  # None: the dataset's own (1 for fmnist/chexpert); 3: grey repeated as RGB
-    resize: str = "squeeze"  # images decoded from files: squeeze (whole image to a square) or center-crop
-    image_column: str | None = None  # --data hf:NAME: the column of images (None: its Image feature)
-    label_column: str | None = None  # --data hf:NAME: the column of labels (None: its ClassLabel, or label, ...)
-
-
-@dataclass
-class BackboneConfig:
-    backbone: str = "resnet18"  # a timm model name (pretrained tag allowed), or hf:PATH_OR_ID
-    weights: str | None = None
-    offline: bool = False  # never fetch hub weights: only what the local cache already holds
-    normalization: str = "auto"  # auto: the weights' own statistics where known, else the data's; data: the data's
-
-
-@dataclass
-class AdapterConfig:
-    adapter: str | None = None  # None: residual for ResNets, lora for ViTs
-    adapter_dropout: float = 0.3
-    lora_rank: int = 8
-
-
+IN_MEMORY = "the data is held in memory at that size"
 # `--client-store auto` keeps client states on disk above this many clients. In memory, every state is held and
 # rewritten into every round's checkpoint: for PerAda's ResNet-18 adapters (1.41M parameters, 5.6 MB a client) 100
 # clients already make a 565 MB checkpoint per round, more than the disk store's cost of one small file read and
 # written per sampled client. Up to here a run directory keeps the plain layout of small federations.
 DISK_STORE_ABOVE = 100
 
+# The help panels of `peradapt train --help`, in order; each method's own settings follow under "Method: NAME".
+DATA = "Data"
+BACKBONE = "Backbone and adapters"
+FEDERATION = "Federation"
+METHOD = "Method"
+DISTILLATION = "Distillation"
+AUTHORS = "Authors'-code settings"  # they select the authors' code's behaviour where it departs from the paper
+PRIVACY = "Privacy"
+OUTPUT = "Output and logging"
+PANELS = (DATA, BACKBONE, FEDERATION, METHOD, DISTILLATION, AUTHORS, PRIVACY, OUTPUT)
 
-@dataclass
-class FederationConfig:
-    clients: int = 20
-    clients_per_round: int = 8
-    rounds: int = 200
-    eval_every: int = 10
-    holdout_clients: int = 0  # the last K client ids never take part in training (`peradapt personalize` them)
-    client_store: str = "auto"  # memory, disk, or auto: disk above DISK_STORE_ABOVE clients (always under Flower)
-    engine: str = "builtin"  # builtin (clients simulated in this process) or flower (ServerApp/ClientApp)
-    # The builtin engine trains up to this many of a round's clients at once (peradapt.compute.concurrent);
-    # 1: one after another, the default: on CPU the batched step is slower (docs/BENCHMARKS.md).
-    concurrent_clients: int = 1
-
-    def store_kind(self) -> str:
-        """Where clients' private state lives between rounds: `memory` or `disk`, `auto` resolved."""
-        if self.client_store != "auto":
-            return self.client_store
-        # Flower's ClientApps run in other processes (or machines), re-created every round: state lives on disk.
-        return "disk" if self.clients > DISK_STORE_ABOVE or self.engine == "flower" else "memory"
-
-
-@dataclass
-class MethodConfig:
-    method: str = "perada"
-    scope: str | None = None  # adapter or full; None: the method's own default
-    personal_part: str | None = None  # partial-model methods: bn, head, input, output or adapter
-    local_epochs: int = 10
-    local_steps: int | None = None  # E as minibatch steps instead of epochs (papers that count local iterations)
-    personal_epochs: int = 10
-    body_epochs: int = 1  # FedRep: epochs on the shared body after the head's personal_epochs (Collins et al.: 1)
-    lam: float = 1.0
-    lam_auto: bool = False  # `--lam auto`: the personalized-FedProx rule chooses lam from heterogeneity
-    lr: float = 0.01
-    personal_lr: float | None = None  # None: --lr
-    batch_size: int = 64
-    ft_epochs: int | None = None  # fine-tuning epochs before evaluation (fedavg-ft, fedbabu); None: the method's
-    inner_steps: int = 3  # K: inner steps of pFedMe / pFedBreD
-    beta: float = 1.0  # server step size of pFedMe / pFedBreD
-    mu: float = 1.0  # FedProx (Li et al.) proximal mu: 1 is their best value on MNIST, FEMNIST and synthetic data
-    aggregation: str | None = None  # the server's mean: samples (n_m-weighted) or uniform; None: the paper's
-    am: bool = False  # pFedMe / pFedBreD aggregate momentum (pFedBreD Appendix C.4): beta = 2, overriding beta
-    # Who runs the client update each round: all (every federated client; only the sample is aggregated) or
-    # sampled; None: the method's paper (all for pFedMe and pFedBreD, Algorithm 1; sampled for the others).
-    train_clients: str | None = None
-    prior: str = "mh"  # pFedBreD prior mean: lg, meg, mh (Shi et al. Eq. 14) or mh-code (the authors' code's mh)
-    prior_lr: float = 0.01  # pFedBreD eta_alpha: meta-step on the loss gradient (lg, mh, mh-code)
-    prior_eta: float = 0.05  # pFedBreD eta: meta-step on the memorized envelope gradient (meg, mh)
-    apfl_alpha: float = 0.5  # APFL: initial mixing weight alpha_m^(0) of every client
-    alpha_lr: float | None = None  # APFL: step size of alpha (Deng et al. eq. 10); None: --lr, 0: alpha fixed
-    # fine-tuning methods (fedavg-ft, perfedavg, ...): N minibatch steps instead of --ft-epochs; None: the method's
-    # default (perfedavg: 1 step, the paper's evaluation, unless --ft-epochs is given; others: --ft-epochs), 0: none
-    ft_steps: int | None = None
-    feddyn_alpha: float = 0.01  # FedDyn alpha: weight of the dynamic regularizer (the authors' CIFAR-10 script)
-    feddyn_client_alpha: str = "uniform"  # FedDyn: uniform (alpha for all, Algorithm 1) or by-size (authors' code)
-    perfedavg_variant: str = "hf"  # Per-FedAvg meta-gradient: hf (Hessian-free) or fo (first-order)
-    perfedavg_delta: float = 0.001  # Per-FedAvg (HF): finite-difference step delta of the Hessian-vector product
-    ala_sample: float = 80.0  # FedALA s: percent of the local data on which ALA learns its weights (the paper: 80)
-    ala_layers: int = 1  # FedALA p: ALA on the last p layers (modules), 1 = the head; 0: every layer
-    ala_lr: float = 1.0  # FedALA eta: SGD step size of the aggregation weights (the paper: 1.0)
-    mtl_omega: str = "mean"  # MTL task relationships: mean (fixed (I - 11^T/M)^2) or learned (MOCHA's Omega-step)
-    # FedRoD: each client's personal head at start: zero (the model's own, peradapt) or generic (a copy of the
-    # initial generic head, as PFLlib's clientrod.py deep-copies the model's head)
-    personal_head_init: str = "zero"
-    # BatchNorms of the frozen backbone during client training: eval (pretrained statistics, Algorithm 1 trains
-    # adapters only) or train (batch statistics, running statistics re-estimated per client: the authors' code).
-    frozen_bn: str = "eval"
-
-
-@dataclass
-class DistillConfig:
-    kd_steps: int = 500
-    kd_batch_size: int = 2048
-    server_lr: float = 1e-3
-    kd_temperature: float = 1.0
-    kd_eval_every: int = 0  # 0: ten validation checks per distillation
-    kd_patience: int = 0  # 0: never stop early, only keep the best adapter
-    kd_rounds: int = 0  # distill only in the first N rounds, then only average (the authors' kd_max_round); 0: all
-    kd_mode: str = "eval"  # eval: teachers and student in inference mode; train: dropout and batch statistics on
-    kd_augment: str = "none"  # none, or crop-flip: distillation images randomly cropped and flipped every step
-    kd_loss: str = "softmax"  # softmax: KL of softmaxes (the paper's sigma); bernoulli: per-label KL (multi-label)
-    kd_image_size: int | None = None  # None: the model's input size; N: distillation images at N px
-    kd_normalization: str = "model"  # model: the client data's statistics; own: the distillation set's own
-
-
-@dataclass
-class PrivacyConfig:
-    """Sample-level differential privacy of client training: DP-SGD (`peradapt.compute.privacy`)."""
-
-    dp_noise: float | None = None  # noise multiplier σ; None: no differential privacy
-    dp_clip: float | None = None  # C: every sample's gradient is clipped to this L2 norm
-    dp_delta: float = 1e-5  # the δ at which each client's ε is reported
-
-    @property
-    def enabled(self) -> bool:
-        return self.dp_noise is not None
-
-    def validate(self, *, lam_auto: bool) -> None:
-        if (self.dp_noise is None) != (self.dp_clip is None):
-            raise ConfigError("differential privacy takes both --dp-noise SIGMA and --dp-clip C: pass both or neither")
-        if not 0 < self.dp_delta < 1:
-            raise ConfigError(f"--dp-delta must be between 0 and 1 (e.g. 1e-5), got {self.dp_delta}")
-        if self.dp_noise is None or self.dp_clip is None:
-            return
-        if self.dp_noise <= 0 or self.dp_clip <= 0:
-            raise ConfigError(f"--dp-noise and --dp-clip must be positive, got {self.dp_noise} and {self.dp_clip}")
-        if self.dp_noise < MIN_DP_NOISE:
-            raise ConfigError(
-                f"--dp-noise must be at least {MIN_DP_NOISE:g}, got {self.dp_noise:g}: the privacy accountant cannot "
-                "bound ε for less noise in floating point (and a σ much below 1 already gives a vacuous ε)"
-            )
-        if lam_auto:
-            raise ConfigError(
-                "--lam auto measures heterogeneity by training on every client's data outside the privacy "
-                "accounting: with --dp-noise pass a number"
-            )
-
-
-@dataclass
-class TrainConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    federation: FederationConfig = field(default_factory=FederationConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    seed: int = 0
-    device: str = "auto"
-    out: str | None = None
-    log: str | None = None  # experiment trackers, comma-separated (peradapt.federation.tracking); never changes results
-
-    def to_flat(self) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        for section in _SECTIONS:
-            flat.update(dataclasses.asdict(getattr(self, section)))
-        flat.update({name: getattr(self, name) for name in _TOP_LEVEL})
-        return flat
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
-        config = cls()
-        for key, value in values.items():
-            key = key.replace("-", "_")
-            if key not in _FLAT_FIELDS:
-                raise ConfigError(f"unknown setting '{key}'; known settings: {', '.join(sorted(_FLAT_FIELDS))}")
-            if key == "lam" and isinstance(value, str) and value.strip().lower() == "auto":
-                config.method.lam_auto = True
-                continue
-            section = _FLAT_FIELDS[key]
-            target = getattr(config, section) if section else config
-            setattr(target, key, _coerce(key, value, _field_types[key]))
-        config.validate()
-        return config
-
-    @classmethod
-    def from_dict(cls, nested: Any) -> TrainConfig:
-        """The config that `to_dict` gave (a run's config.json): its sections as objects, every value of its field's
-        JSON type. Unlike `from_flat` (flags, config files), nothing is converted: another type is a ConfigError."""
-        if not isinstance(nested, dict):
-            raise ConfigError(f"the config is {type(nested).__name__}, not an object of sections")
-        missing = [section for section in _SAVED_SECTIONS if section not in nested]
-        if missing:
-            raise ConfigError(f"the config has no section '{missing[0]}'")
-        flat: dict[str, Any] = {}
-        for key, value in nested.items():
-            if key in _SECTION_CLASSES:
-                if not isinstance(value, dict):
-                    raise ConfigError(f"section '{key}' is {type(value).__name__}, not an object of settings")
-                flat.update(value)
-            else:
-                flat[key] = value
-        for key, value in flat.items():
-            type_name = _field_types.get(key)
-            if type_name is not None and not _is_json_type(value, type_name):
-                raise ConfigError(f"setting '{key}' must be {type_name.replace(' | None', ' or null')}, got {value!r}")
-        return cls.from_flat(flat)
-
-    def validate(self) -> None:
-        fed, method, distill = self.federation, self.method, self.distill
-        for name, value in self.to_flat().items():  # inf and nan pass every comparison below: refuse them first
-            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be a finite number no larger than {FLOAT32_MAX:.4g} in size "
-                    f"(training computes in float32), got {value}"
-                )
-        if not 0 <= self.seed < 2**63:  # the range torch's and numpy's generators take
-            raise ConfigError(f"--seed must be between 0 and 2^63 - 1, got {self.seed}")
-        positive = {
-            "clients": fed.clients,
-            "clients_per_round": fed.clients_per_round,
-            "kd_batch_size": distill.kd_batch_size,
-            "lora_rank": self.adapter.lora_rank,
-            "inner_steps": method.inner_steps,
-            "concurrent_clients": fed.concurrent_clients,
-        }
-        if method.local_steps is not None:  # None: --local-epochs counts the local work
-            positive["local_steps"] = method.local_steps
-        positive["body_epochs"] = method.body_epochs
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if method.batch_size < MIN_BATCH_SIZE:
-            raise ConfigError(
-                f"--batch-size must be at least {MIN_BATCH_SIZE}, got {method.batch_size}: BatchNorm layers (in "
-                "ResNet adapters, --scope full) train on each batch's statistics, which one sample has not"
-            )
-        non_negative = {
-            "rounds": fed.rounds,
-            "local_epochs": method.local_epochs,
-            "personal_epochs": method.personal_epochs,
-            "kd_steps": distill.kd_steps,
-            "lam": method.lam,
-            "ft_epochs": method.ft_epochs or 0,  # None: the method's own
-            "ft_steps": method.ft_steps or 0,  # None: the method's own
-            "mu": method.mu,
-            "eval_every": fed.eval_every,
-            "ala_layers": method.ala_layers,
-            "prior_lr": method.prior_lr,
-            "prior_eta": method.prior_eta,
-            "alpha_lr": method.alpha_lr or 0.0,  # None: --lr
-        }
-        for name, value in non_negative.items():
-            if value < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {value}")
-        if fed.clients_per_round > fed.clients:
-            raise ConfigError(
-                f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
-                "lower --clients-per-round or raise --clients"
-            )
-        if not 0 <= fed.holdout_clients < fed.clients:
-            raise ConfigError(
-                f"--holdout-clients must be at least 0 and less than --clients {fed.clients}, got {fed.holdout_clients}"
-            )
-        if fed.clients_per_round > fed.clients - fed.holdout_clients:
-            raise ConfigError(
-                f"--clients-per-round {fed.clients_per_round} is more than the {fed.clients - fed.holdout_clients} "
-                f"clients left in training by --holdout-clients {fed.holdout_clients}: lower one of them"
-            )
-        if fed.client_store not in CLIENT_STORES:
-            raise ConfigError(f"unknown --client-store '{fed.client_store}': use {', '.join(CLIENT_STORES)}")
-        if fed.engine not in ENGINES:
-            raise ConfigError(f"unknown --engine '{fed.engine}': use {', '.join(ENGINES)}")
-        if fed.engine == "flower" and fed.client_store == "memory":
-            raise ConfigError(
-                "--engine flower keeps clients' private state on disk (its ClientApps are re-created every round): "
-                "use --client-store disk or auto"
-            )
-        if fed.engine == "flower" and self.privacy.enabled:
-            raise ConfigError(
-                "--dp-noise accounts each client's ε in the server's client store, which Flower's nodes keep for "
-                "themselves: run differentially private training with --engine builtin"
-            )
-        if method.scope not in (None, "adapter", "full"):
-            raise ConfigError(f"unknown --scope '{method.scope}': use adapter or full")
-        if method.personal_part not in (None, *PERSONAL_PARTS):
-            raise ConfigError(f"unknown --personal-part '{method.personal_part}': use {', '.join(PERSONAL_PARTS)}")
-        if method.train_clients not in (None, *TRAIN_CLIENTS):
-            raise ConfigError(f"unknown --train-clients '{method.train_clients}': use {', '.join(TRAIN_CLIENTS)}")
-        if method.aggregation not in (None, *AGGREGATIONS):
-            raise ConfigError(f"unknown --aggregation '{method.aggregation}': use {', '.join(AGGREGATIONS)}")
-        if (method.personal_lr is not None and method.personal_lr <= 0) or method.beta <= 0:
-            raise ConfigError("--personal-lr and --beta must be positive")
-        if method.lr <= 0 or distill.server_lr <= 0:
-            raise ConfigError("--lr and --server-lr must be positive")
-        positive_floats = {
-            "feddyn_alpha": method.feddyn_alpha,
-            "perfedavg_delta": method.perfedavg_delta,
-            "ala_lr": method.ala_lr,
-        }
-        for name, value in positive_floats.items():
-            if value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if not 0.0 <= method.apfl_alpha <= 1.0:
-            raise ConfigError(f"--apfl-alpha is a mixing weight: give one in [0, 1], got {method.apfl_alpha}")
-        if not 0.0 < method.ala_sample <= 100.0:
-            raise ConfigError(
-                f"--ala-sample is a percent of the local data: give one in (0, 100], got {method.ala_sample}"
-            )
-        if distill.kd_temperature < MIN_KD_TEMPERATURE:
-            raise ConfigError(
-                f"--kd-temperature must be at least {MIN_KD_TEMPERATURE:g}, got {distill.kd_temperature}: the "
-                "distillation loss is scaled by its square, which float32 cannot hold below that"
-            )
-        if not 0.0 <= self.adapter.adapter_dropout < 1.0:
-            raise ConfigError("--adapter-dropout must be in [0, 1)")
-        if self.data.limit_samples is not None and self.data.limit_samples < 1:
-            raise ConfigError("--limit-samples must be at least 1")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device must be auto, cpu or cuda, got '{self.device}'")
-        choices = {
-            "augment": (self.data.augment, AUGMENTATIONS),
-            "resize": (self.data.resize, RESIZES),
-            "normalization": (self.backbone.normalization, NORMALIZATIONS),
-            "frozen_bn": (method.frozen_bn, BN_MODES),
-            "kd_mode": (distill.kd_mode, BN_MODES),
-            "kd_augment": (distill.kd_augment, KD_AUGMENTATIONS),
-            "kd_loss": (distill.kd_loss, KD_LOSSES),
-            "kd_normalization": (distill.kd_normalization, KD_NORMALIZATIONS),
-        }
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"unknown --{name.replace('_', '-')} '{value}': use {', '.join(allowed)}")
-        if self.data.channels not in (None, 1, 3):
-            raise ConfigError(f"--channels must be 1 or 3, got {self.data.channels}")
-        for name, column in (("image_column", self.data.image_column), ("label_column", self.data.label_column)):
-            if column is not None and (not column or not self.data.data.startswith("hf:")):
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} {column!r}: give a column name of the --data hf:NAME dataset "
-                    f"(--data is {self.data.data})"
-                )
-        for name, size in (("image_size", self.data.image_size), ("kd_image_size", distill.kd_image_size)):
-            if size is not None and not 1 <= size <= MAX_IMAGE_SIZE:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be between 1 and {MAX_IMAGE_SIZE} px, got {size} (the data is "
-                    "held in memory at that size)"
-                )
-        if distill.kd_eval_every < 0 or distill.kd_patience < 0 or distill.kd_rounds < 0:
-            raise ConfigError("--kd-eval-every, --kd-patience and --kd-rounds must not be negative")
-        if distill.kd_mode == "train" and distill.kd_batch_size < MIN_BATCH_SIZE:
-            raise ConfigError(
-                f"--kd-mode train normalizes each distillation batch by its own statistics: --kd-batch-size must be "
-                f"at least {MIN_BATCH_SIZE}, got {distill.kd_batch_size}"
-            )
-        if self.privacy.enabled and method.frozen_bn == "train":
-            raise ConfigError(
-                "--frozen-bn train normalizes each sample with its batch's statistics, which no per-sample clipping "
-                "bounds: differentially private training needs --frozen-bn eval"
-            )
-        self.privacy.validate(lam_auto=method.lam_auto)
-        if self.out is not None:
-            check_output_path(Path(self.out), "--out", directory=True)
-        tracker_names(self.log)  # unknown names refused (installed packages: when a run opens, `check_installed`)
-
-
+TRAIN_CLIENTS = ("all", "sampled")  # --train-clients: every federated client each round, or only the sampled ones
+AGGREGATIONS = ("samples", "uniform")  # server mean over the sampled clients: n_m-weighted or plain
+AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
+RESIZES = ("squeeze", "center-crop")
+NORMALIZATIONS = ("auto", "data")
+BN_MODES = ("eval", "train")
+KD_AUGMENTATIONS = ("none", "crop-flip")
+KD_LOSSES = ("softmax", "bernoulli")
+KD_NORMALIZATIONS = ("model", "own")
+CLIENT_STORES = ("auto", "memory", "disk")
+ENGINES = ("builtin", "flower")
 TRACKERS = (
     "tensorboard",
     "wandb",
     "mlflow",
 )  # --log: experiment trackers (peradapt.federation.tracking), each an extra
+
+# The method registry: every method's class by its --method name. `peradapt.methods.base.register` adds each as it
+# is defined (importing peradapt registers the built-in ones); the config reads only their `settings_class` (a
+# dataclass of `setting` fields), so flags, config files and config.json know the settings of whatever methods are
+# registered when they are read.
+METHODS: dict[str, Any] = {}
 
 
 def tracker_names(log: str | None) -> list[str]:
@@ -429,53 +90,9 @@ def tracker_names(log: str | None) -> list[str]:
     return names
 
 
-PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
-TRAIN_CLIENTS = ("all", "sampled")  # --train-clients: every federated client each round, or only the sampled ones
-AGGREGATIONS = ("samples", "uniform")  # server mean over the sampled clients: n_m-weighted or plain
-AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
-RESIZES = ("squeeze", "center-crop")
-NORMALIZATIONS = ("auto", "data")
-BN_MODES = ("eval", "train")
-KD_AUGMENTATIONS = ("none", "crop-flip")
-KD_LOSSES = ("softmax", "bernoulli")
-KD_NORMALIZATIONS = ("model", "own")
-CLIENT_STORES = ("auto", "memory", "disk")
-ENGINES = ("builtin", "flower")
-_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
-_TOP_LEVEL = ("seed", "device", "out", "log")
-_SAVED_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")  # in every run's config.json
-_SECTION_CLASSES = {
-    "data": DataConfig,
-    "backbone": BackboneConfig,
-    "adapter": AdapterConfig,
-    "federation": FederationConfig,
-    "method": MethodConfig,
-    "distill": DistillConfig,
-    "privacy": PrivacyConfig,
-}
-_FLAT_FIELDS: dict[str, str | None] = {}
-_field_types: dict[str, str] = {}
-for _section, _cls in _SECTION_CLASSES.items():
-    for _field in dataclasses.fields(_cls):
-        assert _field.name not in _FLAT_FIELDS, f"duplicate config key {_field.name}"
-        _FLAT_FIELDS[_field.name] = _section
-        _field_types[_field.name] = str(_field.type)
-for _field in dataclasses.fields(TrainConfig):
-    if _field.name in _TOP_LEVEL:
-        _FLAT_FIELDS[_field.name] = None
-        _field_types[_field.name] = str(_field.type)
-
-
-def _is_json_type(value: Any, type_name: str) -> bool:
-    """Whether `value`, read from JSON, is of the field type `type_name` as `to_dict` writes it (a float field
-    takes a whole number too; bools are no numbers)."""
-    if value is None:
-        return "None" in type_name
-    base = type_name.replace(" | None", "")
-    if base == "bool" or isinstance(value, bool):
-        return base == "bool" and isinstance(value, bool)
-    kinds = {"int": int, "float": (int, float), "str": str}
-    return isinstance(value, kinds.get(base, object))
+def check_device(device: str) -> None:
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
 
 
 def check_output_path(path: Path, flag: str, *, directory: bool) -> None:
@@ -492,29 +109,659 @@ def check_output_path(path: Path, flag: str, *, directory: bool) -> None:
         raise ConfigError(f"{flag} {path} is under {parent}, which is a file: give a path in a directory")
 
 
-def _coerce(key: str, value: Any, type_name: str) -> Any:
-    """Turn a value read from YAML/JSON into the field's type, with a message naming the key on failure."""
-    if value is None:
-        if "None" not in type_name:
-            raise ConfigError(f"setting '{key}' may not be empty")
-        return None
-    if key == "log" and isinstance(value, (list, tuple)):  # `--log a --log b`, or a list in a config file
-        value = ",".join(map(str, value))
-    base = type_name.replace(" | None", "")
-    try:
-        if base == "bool":
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes", "on")
-            return bool(value)
-        if base == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if base == "float":
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"setting '{key}' must be {base}, got {value!r}") from None
+def _check_run_directory(out: str) -> None:
+    check_output_path(Path(out), "--out", directory=True)
+
+
+@dataclass
+class DataConfig:
+    data: str = setting(
+        "fmnist",
+        help="Dataset: fmnist, cifar10, cifar100, svhn, stl10, office-home, chexpert, imagefolder:PATH "
+        "(PATH/<class>/<images>, or PATH/train/ and PATH/test/ of class folders) or hf:NAME_OR_PATH[:CONFIG] "
+        "(a Hugging Face dataset: save_to_disk directory, parquet, or a Hub name; needs peradapt[hf-data]). "
+        "Image files are decoded once and cached in $PERADAPT_HOME/cache.",
+        group=DATA,
+    )
+    data_dir: str | None = setting(None, help="Where the dataset files are.", group=DATA, metavar="PATH")
+    partition: str = setting(
+        "dir:0.1",
+        help="dir:ALPHA, iid, classes:K (over meta-categories for chexpert), domain (office-home, --clients 4: "
+        "client i gets domain i), dir-balanced:ALPHA (the PerAda authors' Dirichlet split: 2 samples of every "
+        "class per client, clients capped at an even share, test split with the same proportions) or file:PATH "
+        "(a peradapt partition.json, or the authors' JSON of client number -> rows and -1 -> validation rows).",
+        group=DATA,
+    )
+    kd_data: str = setting(
+        "auto",
+        help="Unlabeled distillation data: auto (the dataset's own split, STL-10's unlabeled split for stl10, "
+        "or the paper's choice: cifar100 for cifar10, cifar10 for the others), digits, fmnist, cifar10, "
+        "cifar100, svhn, stl10 (its 100,000 unlabeled images), imagefolder:PATH or hf:NAME (their images, "
+        "labels ignored).",
+        group=DISTILLATION,
+    )
+    limit_samples: int | None = setting(
+        None, help="Cut every split to at most K images (smoke runs).", group=DATA, minimum=1, metavar="K"
+    )
+    image_size: int | None = setting(
+        None,
+        help="Resize images to PX x PX.",
+        group=DATA,
+        minimum=1,
+        maximum=MAX_IMAGE_SIZE,
+        why=IN_MEMORY,
+        metavar="PX",
+        shown_default="a ViT's input size (vit_small_patch16_224: 224); else native size, 224 for office-home and "
+        "chexpert, decoded once and cached in $PERADAPT_HOME/cache",
+    )
+    download: bool = setting(False, help="Download missing datasets (needs a network).", group=DATA)
+    augment: str = setting(
+        "auto",
+        help="Client training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or "
+        "resized-crop (random 5-100% area crop + flip: the authors' CheXpert).",
+        group=DATA,
+        choices=AUGMENTATIONS,
+    )
+    channels: int | None = setting(
+        None,
+        help="1 or 3: grey images as 3 equal channels, as the authors' CheXpert.",
+        group=AUTHORS,
+        choices=(1, 3),
+        shown_default="the dataset's",
+    )
+    resize: str = setting(
+        "squeeze",
+        help="Images decoded from files (office-home, chexpert): squeeze (whole image to a square) or center-crop "
+        "(shorter side to the size, then the central square: the authors').",
+        group=AUTHORS,
+        choices=RESIZES,
+    )
+    image_column: str | None = setting(
+        None,
+        help="--data hf:NAME: the column of images.",
+        group=DATA,
+        metavar="NAME",
+        shown_default="its Image feature",
+    )
+    label_column: str | None = setting(
+        None,
+        help="--data hf:NAME: the column of labels.",
+        group=DATA,
+        metavar="NAME",
+        shown_default="its ClassLabel, or label, ...",
+    )
+
+
+@dataclass
+class BackboneConfig:
+    backbone: str = setting(
+        "resnet18",
+        help="timm model name, with a pretrained tag if wanted (resnet18, resnet18.tv_in1k, resnet18_w16, "
+        "vit_small_patch16_224, vit_tiny_p4_32, ...; published weights are fetched once into the Hugging Face "
+        "cache) or hf:DIR_OR_ID (a transformers image classifier from a directory or the local Hugging Face cache).",
+        group=BACKBONE,
+    )
+    weights: str | None = setting(
+        None, help="Backbone weights (safetensors).", group=BACKBONE, metavar="PATH", shown_default="from `pretrain`"
+    )
+    offline: bool = setting(
+        False,
+        help="Never fetch backbone weights from the hub: only the local cache (HF_HUB_OFFLINE=1).",
+        group=BACKBONE,
+    )
+    normalization: str = setting(
+        "auto",
+        help="Input statistics: auto (the backbone weights' own where known, else the data's) or data (the "
+        "dataset's, as the authors' code does with torchvision weights).",
+        group=AUTHORS,
+        choices=NORMALIZATIONS,
+    )
+
+
+@dataclass
+class AdapterConfig:
+    adapter: str | None = setting(
+        None,
+        help="residual (PerAda's, default for ResNets; on ViTs a bottleneck adapter on every block's MLP) or "
+        "lora (default for ViTs: attention and MLP projections).",
+        group=BACKBONE,
+        shown_default="the backbone's",
+    )
+    adapter_dropout: float = setting(
+        0.3, help="Dropout inside adapters.", group=BACKBONE, minimum=0.0, maximum=1.0, exclusive_maximum=True
+    )
+    lora_rank: int = setting(
+        8, help="LoRA rank; bottleneck width of ViT residual adapters.", group=BACKBONE, minimum=1, symbol="r"
+    )
+
+
+@dataclass
+class FederationConfig:
+    clients: int = setting(20, help="Number of clients M.", group=FEDERATION, minimum=1, symbol="M")
+    clients_per_round: int = setting(8, help="Clients sampled per round C.", group=FEDERATION, minimum=1, symbol="C")
+    rounds: int = setting(200, help="Communication rounds T.", group=FEDERATION, minimum=0, symbol="T")
+    eval_every: int = setting(
+        10, help="Evaluate every N rounds (0: only at the end).", group=FEDERATION, minimum=0, metavar="N"
+    )
+    holdout_clients: int = setting(
+        0,
+        help="Keep the last K clients out of training, for `peradapt personalize`.",
+        group=FEDERATION,
+        minimum=0,
+        metavar="K",
+    )
+    client_store: str = setting(
+        "auto",
+        help="Where clients' private state (e.g. PerAda's personalized adapters) lives between rounds: memory "
+        "(and in every checkpoint), disk (OUT/client_store/, a safetensors file per client; memory holds only "
+        f"the clients at work) or auto: disk above {DISK_STORE_ABOVE} clients, and always with --engine flower.",
+        group=FEDERATION,
+        choices=CLIENT_STORES,
+    )
+    engine: str = setting(
+        "builtin",
+        help="builtin (clients simulated in this process, one after the other or --concurrent-clients at once) "
+        "or flower (the same rounds with clients in Flower ClientApps, simulated here with Ray; docs/DEPLOY.md "
+        "runs them on other machines).",
+        group=FEDERATION,
+        choices=ENGINES,
+    )
+    # The builtin engine trains up to this many of a round's clients at once (peradapt.compute.concurrent);
+    # 1: one after another, the default: on CPU the batched step is slower (docs/BENCHMARKS.md).
+    concurrent_clients: int = setting(
+        1,
+        help="Train up to K of a round's clients at once on the one device, sharing the frozen backbone (one "
+        "batched pass for all of them); on CPU the same numbers as one after another, to float rounding (on a "
+        "GPU, other dropout draws). For methods whose client update is local SGD (perada, ditto, fedprox, fedavg, "
+        "..., and the partial models fedalt, fedsim, fedbn, lg-fedavg, fedper, fedrep, fedbabu; others say so and "
+        "train one after another) on the builtin engine, without --dp-noise. Faster where "
+        "kernel launches dominate (a GPU and a small model); slower on CPU (docs/BENCHMARKS.md). May change on "
+        "--resume.",
+        group=FEDERATION,
+        minimum=1,
+        metavar="K",
+    )
+
+    def store_kind(self) -> str:
+        """Where clients' private state lives between rounds: `memory` or `disk`, `auto` resolved."""
+        if self.client_store != "auto":
+            return self.client_store
+        # Flower's ClientApps run in other processes (or machines), re-created every round: state lives on disk.
+        return "disk" if self.clients > DISK_STORE_ABOVE or self.engine == "flower" else "memory"
+
+
+@dataclass
+class MethodConfig:
+    """The settings of the method's training that the engine and several methods read; a method's own are its
+    `settings_class` (`TrainConfig.method_settings`)."""
+
+    method: str = setting(
+        "perada",
+        help="The personalization method: {choices} (`peradapt methods` describes each).",
+        group=METHOD,
+        choices=METHODS,  # the registry itself: methods registered later are choices too
+    )
+    scope: str | None = setting(
+        None,
+        help="adapter (frozen backbone) or full (whole network).",
+        group=METHOD,
+        choices=("adapter", "full"),
+        shown_default="the method's",
+    )
+    local_epochs: int = setting(10, help="Epochs E on the local adapter.", group=METHOD, minimum=0, symbol="E")
+    local_steps: int | None = setting(
+        None,
+        help="Local work as N minibatch steps instead of --local-epochs (pFedMe and pFedBreD count R = 20 iterations).",
+        group=METHOD,
+        minimum=1,
+        metavar="N",
+        shown_default="--local-epochs",
+    )
+    personal_epochs: int = setting(
+        10, help="Epochs S on the personalized adapter.", group=METHOD, minimum=0, symbol="S"
+    )
+    lam: float = setting(
+        1.0,
+        help="Proximal strength λ towards the global model, or auto (personalized-FedProx rule).",
+        group=METHOD,
+        minimum=0.0,
+        symbol="λ",
+        auto="lam_auto",
+        metavar="FLOAT|auto",
+    )
+    lam_auto: bool = setting(
+        False,
+        help="Set by --lam auto: the personalized-FedProx rule chose λ from the clients' heterogeneity.",
+        group=METHOD,
+        flag=False,
+    )
+    lr: float = setting(
+        0.01, help="Client SGD learning rate.", group=METHOD, minimum=0.0, exclusive_minimum=True, symbol="η"
+    )
+    personal_lr: float | None = setting(
+        None,
+        help="Learning rate of personalized models.",
+        group=METHOD,
+        minimum=0.0,
+        exclusive_minimum=True,
+        shown_default="--lr",
+        symbol="η_p",
+    )
+    batch_size: int = setting(
+        64,
+        help="Client minibatch size.",
+        group=METHOD,
+        minimum=MIN_BATCH_SIZE,
+        why="BatchNorm layers (in ResNet adapters, --scope full) train on each batch's statistics, which one "
+        "sample has not",
+    )
+    aggregation: str | None = setting(
+        None,
+        help="The server's mean over the sampled clients: samples (weighted by their sample counts) or uniform "
+        "(e.g. the PerAda authors' FedAvg).",
+        group=METHOD,
+        choices=AGGREGATIONS,
+        shown_default="the method's paper: uniform for perada, apfl, pfedme, pfedbred, perfedavg, fedprox, feddyn "
+        "and fedrep, samples for the others; standalone and mtl average nothing",
+    )
+    train_clients: str | None = setting(
+        None,
+        help="Who trains each round: all (every client, the server averaging only the sampled ones: pFedMe and "
+        "pFedBreD, Algorithm 1) or sampled.",
+        group=METHOD,
+        choices=TRAIN_CLIENTS,
+        shown_default="the method's paper",
+    )
+    frozen_bn: str = setting(
+        "eval",
+        help="The frozen backbone's BatchNorms during client training: eval (pretrained statistics) or train "
+        "(batch statistics, running statistics re-estimated on each client's data: the authors' code).",
+        group=AUTHORS,
+        choices=BN_MODES,
+    )
+
+
+@dataclass
+class DistillConfig:
+    kd_steps: int = setting(500, help="Distillation steps R per round.", group=DISTILLATION, minimum=0, symbol="R")
+    kd_batch_size: int = setting(2048, help="Distillation batch size.", group=DISTILLATION, minimum=1)
+    server_lr: float = setting(
+        1e-3, help="Distillation Adam learning rate.", group=DISTILLATION, minimum=0.0, exclusive_minimum=True
+    )
+    kd_temperature: float = setting(
+        1.0,
+        help="Distillation temperature.",
+        group=DISTILLATION,
+        minimum=MIN_KD_TEMPERATURE,
+        why="the distillation loss is scaled by its square, which float32 cannot hold below that",
+    )
+    kd_eval_every: int = setting(
+        0,
+        help="Check the student on the validation split every N distillation steps, keeping the best (the "
+        "authors' code: 1; 10 on CheXpert).",
+        group=AUTHORS,
+        minimum=0,
+        metavar="N",
+        shown_default="0: ten checks per round",
+    )
+    kd_patience: int = setting(
+        0,
+        help="Stop distilling after N checks without a better student (0: never).",
+        group=DISTILLATION,
+        minimum=0,
+        metavar="N",
+    )
+    kd_rounds: int = setting(
+        0,
+        help="Distill only in the first N rounds, then only average (the authors' code: 30 of 200 on CIFAR-10); "
+        "0: every round, as Algorithm 1.",
+        group=AUTHORS,
+        minimum=0,
+        metavar="N",
+    )
+    kd_mode: str = setting(
+        "eval",
+        help="eval: teachers and student in inference mode (teacher logits computed once per round); train: "
+        "dropout on and BatchNorm on each distillation batch's statistics, the student's running statistics "
+        "following the distillation data (the authors' code).",
+        group=AUTHORS,
+        choices=BN_MODES,
+    )
+    kd_augment: str = setting(
+        "none",
+        help="Distillation images: none, or crop-flip at every step (the authors').",
+        group=AUTHORS,
+        choices=KD_AUGMENTATIONS,
+    )
+    kd_loss: str = setting(
+        "softmax",
+        help="softmax: KL of the softmaxes (the paper's σ, also for CheXpert's 5 labels); bernoulli: per-label "
+        "KL of the sigmoids (multi-label tasks).",
+        group=DISTILLATION,
+        choices=KD_LOSSES,
+    )
+    kd_image_size: int | None = setting(
+        None,
+        help="Distillation images at PX px (the authors' code: CIFAR-10 at 32 px for Office-Home and CheXpert).",
+        group=AUTHORS,
+        minimum=1,
+        maximum=MAX_IMAGE_SIZE,
+        why=IN_MEMORY,
+        metavar="PX",
+        shown_default="the model's input size",
+    )
+    kd_normalization: str = setting(
+        "model",
+        help="Distillation images normalized with the clients' data statistics (model) or the distillation "
+        "set's own (own, the authors').",
+        group=AUTHORS,
+        choices=KD_NORMALIZATIONS,
+    )
+
+
+@dataclass
+class PrivacyConfig:
+    """Sample-level differential privacy of client training: DP-SGD (`peradapt.compute.privacy`)."""
+
+    dp_noise: float | None = setting(
+        None,
+        help="Differential privacy: train clients with DP-SGD (opacus) at noise multiplier SIGMA; needs --dp-clip. "
+        "Each client's ε is accounted across rounds and reported.",
+        group=PRIVACY,
+        minimum=MIN_DP_NOISE,
+        why="the privacy accountant cannot bound ε for less noise in floating point (and a σ much below 1 "
+        "already gives a vacuous ε)",
+        metavar="SIGMA",
+        shown_default="none: no differential privacy",
+        symbol="σ",
+    )
+    dp_clip: float | None = setting(
+        None,
+        help="DP-SGD: clip every sample's gradient to this L2 norm C.",
+        group=PRIVACY,
+        minimum=0.0,
+        exclusive_minimum=True,
+        metavar="C",
+        symbol="C",
+    )
+    dp_delta: float = setting(
+        1e-5,
+        help="DP-SGD: the δ at which each client's ε is reported.",
+        group=PRIVACY,
+        minimum=0.0,
+        maximum=1.0,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
+        symbol="δ",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp_noise is not None
+
+    def validate(self, *, lam_auto: bool) -> None:
+        if (self.dp_noise is None) != (self.dp_clip is None):
+            raise ConfigError("differential privacy takes both --dp-noise SIGMA and --dp-clip C: pass both or neither")
+        if self.enabled and lam_auto:
+            raise ConfigError(
+                "--lam auto measures heterogeneity by training on every client's data outside the privacy "
+                "accounting: with --dp-noise pass a number"
+            )
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    seed: int = setting(
+        0, help="Random seed (partition, sampling, training).", group=FEDERATION, minimum=0, maximum=2**63 - 1
+    )  # the range torch's and numpy's generators take
+    device: str = setting("auto", help="auto, cpu or cuda.", group=FEDERATION, check=check_device)
+    out: str | None = setting(
+        None,
+        help="Run directory.",
+        group=OUTPUT,
+        metavar="PATH",
+        shown_default="runs/DATA-METHOD-seedSEED",
+        check=_check_run_directory,
+    )
+    log: str | None = setting(
+        None,
+        help="Experiment tracking, repeatable or comma-separated: tensorboard (RUN/tensorboard), wandb, mlflow "
+        "(each an extra: pip install 'peradapt[tensorboard]', 'peradapt[wandb]', 'peradapt[mlflow]'), or none; "
+        "never changes results, and may change on --resume.",
+        group=OUTPUT,
+        metavar="TRACKER",
+        shown_default="none",
+        repeatable=True,
+        check=tracker_names,  # unknown names refused (installed packages: when a run opens, `check_installed`)
+    )
+    # The --method's own settings, an instance of its `settings_class`; None: their defaults.
+    method_settings: Any = None
+
+    def __post_init__(self) -> None:
+        if self.method_settings is None:
+            self.method_settings = settings_class_of(self.method.method)()
+
+    def to_flat(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for section in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+            if section == "method":
+                flat.update(dataclasses.asdict(self.method_settings))
+        flat.update({name: getattr(self, name) for name in _TOP_LEVEL})
+        return flat
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sections as config.json holds them; the method's own settings in its `method` section."""
+        nested: dict[str, Any] = {section: dataclasses.asdict(getattr(self, section)) for section in _SECTIONS}
+        nested["method"].update(dataclasses.asdict(self.method_settings))
+        nested.update({name: getattr(self, name) for name in _TOP_LEVEL})
+        return nested
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config of flat settings from flags, a config file or the API, each checked as it is read; a
+        setting of another method than the one chosen is refused by name."""
+        config = cls()
+        owned: dict[str, Any] = {}
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            declared = find_setting(key)
+            if declared is None:
+                known = sorted([*_SHARED, *_method_declarations()])
+                raise ConfigError(f"unknown setting '{key}'; known settings: {', '.join(known)}")
+            if declared.auto and isinstance(value, str) and value.strip().lower() == "auto":
+                setattr(config.method, declared.auto, True)  # `--lam auto`: the rule chooses the value
+                continue
+            value = declared.coerce(value)
+            declared.validate(value)
+            if key in _SHARED:
+                section = _SHARED[key][0]
+                setattr(getattr(config, section) if section else config, key, value)
+            else:
+                owned[key] = value
+        method = config.method.method
+        settings_class = settings_class_of(method)  # an unknown method: refused by `validate`
+        takes = {declared.name for declared in declared_settings(settings_class)}
+        for key in owned.keys() - takes:
+            raise ConfigError(
+                f"--{key.replace('_', '-')} is a setting of {', '.join(setting_owners(key))}: --method {method} "
+                "does not take it"
+            )
+        config.method_settings = settings_class(**owned)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_dict(cls, nested: Any) -> TrainConfig:
+        """The config that `to_dict` gave (a run's config.json): its sections as objects, every value of its
+        setting's JSON type. Unlike `from_flat` (flags, config files), nothing is converted: another type is a
+        ConfigError. Other methods' settings are dropped: config.json files written before methods owned their
+        settings hold every method's (each without effect on other methods)."""
+        if not isinstance(nested, dict):
+            raise ConfigError(f"the config is {type(nested).__name__}, not an object of sections")
+        missing = [section for section in _SAVED_SECTIONS if section not in nested]
+        if missing:
+            raise ConfigError(f"the config has no section '{missing[0]}'")
+        flat: dict[str, Any] = {}
+        for key, value in nested.items():
+            if key in _SECTIONS:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"section '{key}' is {type(value).__name__}, not an object of settings")
+                flat.update(value)
+            else:
+                flat[key] = value
+        for key, value in flat.items():
+            declared = find_setting(key)
+            if declared is not None and not declared.is_json_type(value):
+                kind = declared.type.replace(" | None", " or null")
+                raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}")
+        method = flat.get("method", MethodConfig.method)
+        takes = {declared.name for declared in declared_settings(settings_class_of(method))}
+        others = _method_declarations().keys() - takes - _SHARED.keys()
+        return cls.from_flat({key: value for key, value in flat.items() if key not in others})
+
+    def validate(self) -> None:
+        """Every setting's own checks (`Setting.validate`), then the rules between settings."""
+        for section in (*(getattr(self, name) for name in _SECTIONS), self.method_settings, self):
+            for declared in declared_settings(type(section)):
+                declared.validate(getattr(section, declared.name))
+        fed, distill = self.federation, self.distill
+        if fed.clients_per_round > fed.clients:
+            raise ConfigError(
+                f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
+                "lower --clients-per-round or raise --clients"
+            )
+        if fed.holdout_clients >= fed.clients:
+            raise ConfigError(
+                f"--holdout-clients must be at least 0 and less than --clients {fed.clients}, got {fed.holdout_clients}"
+            )
+        if fed.clients_per_round > fed.clients - fed.holdout_clients:
+            raise ConfigError(
+                f"--clients-per-round {fed.clients_per_round} is more than the {fed.clients - fed.holdout_clients} "
+                f"clients left in training by --holdout-clients {fed.holdout_clients}: lower one of them"
+            )
+        if fed.engine == "flower" and fed.client_store == "memory":
+            raise ConfigError(
+                "--engine flower keeps clients' private state on disk (its ClientApps are re-created every round): "
+                "use --client-store disk or auto"
+            )
+        if fed.engine == "flower" and self.privacy.enabled:
+            raise ConfigError(
+                "--dp-noise accounts each client's ε in the server's client store, which Flower's nodes keep for "
+                "themselves: run differentially private training with --engine builtin"
+            )
+        for name, column in (("image_column", self.data.image_column), ("label_column", self.data.label_column)):
+            if column is not None and (not column or not self.data.data.startswith("hf:")):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {column!r}: give a column name of the --data hf:NAME dataset "
+                    f"(--data is {self.data.data})"
+                )
+        if distill.kd_mode == "train" and distill.kd_batch_size < MIN_BATCH_SIZE:
+            raise ConfigError(
+                f"--kd-mode train normalizes each distillation batch by its own statistics: --kd-batch-size must be "
+                f"at least {MIN_BATCH_SIZE}, got {distill.kd_batch_size}"
+            )
+        if self.privacy.enabled and self.method.frozen_bn == "train":
+            raise ConfigError(
+                "--frozen-bn train normalizes each sample with its batch's statistics, which no per-sample clipping "
+                "bounds: differentially private training needs --frozen-bn eval"
+            )
+        self.privacy.validate(lam_auto=self.method.lam_auto)
+
+
+_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill", "privacy")
+_TOP_LEVEL = ("seed", "device", "out", "log")
+_SAVED_SECTIONS = ("data", "backbone", "adapter", "federation", "method", "distill")  # in every run's config.json
+_SECTION_CLASSES = {
+    "data": DataConfig,
+    "backbone": BackboneConfig,
+    "adapter": AdapterConfig,
+    "federation": FederationConfig,
+    "method": MethodConfig,
+    "distill": DistillConfig,
+    "privacy": PrivacyConfig,
+}
+# Every shared setting: its key -> (its section, None at the top level; its declaration).
+_SHARED: dict[str, tuple[str | None, Setting]] = {}
+for _section, _cls in [*_SECTION_CLASSES.items(), (None, TrainConfig)]:
+    for _declared in declared_settings(_cls):
+        assert _declared.name not in _SHARED, f"duplicate config key {_declared.name}"
+        _SHARED[_declared.name] = (_section, _declared)
+
+
+def settings_class_of(method: str) -> type:
+    """The settings dataclass of registered method `method` (of an unknown one: none)."""
+    return METHODS[method].settings_class if method in METHODS else NoSettings
+
+
+def check_method_settings(settings_class: type) -> None:
+    """Refuse a method's settings class whose keys clash: a method's setting shares no key with the shared ones,
+    and two methods share a key only as one declaration (a family's base class)."""
+    declarations = _method_declarations()
+    for declared in declared_settings(settings_class):
+        if declared.name in _SHARED:
+            raise TypeError(f"{settings_class.__name__}.{declared.name}: a shared setting has that key")
+        if declared.group is not None:
+            raise TypeError(f"{settings_class.__name__}.{declared.name}: a method's setting is shown under the method")
+        other = declarations.get(declared.name)
+        if other is not None and other != declared:
+            raise TypeError(f"{settings_class.__name__}.{declared.name}: another method declares that key")
+
+
+def _method_declarations() -> dict[str, Setting]:
+    """Every registered method's settings by key."""
+    return {declared.name: declared for method in METHODS for declared in declared_settings(settings_class_of(method))}
+
+
+def find_setting(key: str) -> Setting | None:
+    """The declaration of flat key `key`: a shared setting or a registered method's; None if there is none."""
+    if key in _SHARED:
+        return _SHARED[key][1]
+    return _method_declarations().get(key)
+
+
+def setting_owners(key: str) -> list[str]:
+    """The registered methods that take method setting `key`, in registration order."""
+    return [method for method in METHODS if any(d.name == key for d in declared_settings(settings_class_of(method)))]
+
+
+def settings_for_method(values: dict[str, Any], method: str) -> dict[str, Any]:
+    """`values` without the method settings that `method` does not take (compare's runs of several methods)."""
+    return {
+        key: value
+        for key, value in values.items()
+        if key.replace("-", "_") in _SHARED or method in setting_owners(key.replace("-", "_"))
+    }
+
+
+def listed_settings() -> list[tuple[Setting, str]]:
+    """Every setting with its help panel: the shared ones panel by panel, then each registered method's own
+    under "Method: " and the methods that take them."""
+    shared = sorted((declared for _, declared in _SHARED.values()), key=lambda declared: PANELS.index(declared.group))
+    listed = [(declared, str(declared.group)) for declared in shared]
+    for key, declared in _method_declarations().items():
+        listed.append((declared, f"{METHOD}: {', '.join(setting_owners(key))}"))
+    return listed
+
+
+def settings_markdown() -> str:
+    """docs/SETTINGS.md: every setting of `peradapt train` (`make settings-doc` writes it; a test compares)."""
+    intro = (
+        "# Settings of `peradapt train`\n\n"
+        "Generated from the declarations in `peradapt/config.py` and the methods' own settings in "
+        "`peradapt/methods/` by `make settings-doc`: do not edit by hand. Each flag is also a config-file key "
+        "(`--kd-steps 50` is `kd_steps: 50` or `kd-steps: 50`); flags win over `--config`, which wins over "
+        '`--preset`. A method\'s own settings (panels "Method: NAME") are refused with any other `--method`; '
+        "`peradapt methods NAME` shows them with their paper's symbols.\n\n"
+    )
+    return intro + markdown_table(listed_settings())
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -536,7 +783,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must hold a mapping of settings")
     flat: dict[str, Any] = {}
     for key, value in values.items():
-        section = key in _SECTION_CLASSES and isinstance(value, dict)
+        section = key in _SECTIONS and isinstance(value, dict)
         for name in value if section else [key]:  # YAML turns `1:`, `null:`, `true:` into keys no setting has
             if not isinstance(name, str):
                 raise ConfigError(f"config file {path}: {name!r} is not a setting name (use the flags' names as keys)")

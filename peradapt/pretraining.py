@@ -18,11 +18,12 @@ from peradapt.adapters.vit import is_vit
 from peradapt.backbones import BackboneInfo, create_backbone, default_weights_path, fixed_image_size, save_backbone
 from peradapt.backbones.hf import is_hf
 from peradapt.compute.trainer import InputPipeline, LocalTrainer, seeded_generator
-from peradapt.config import FLOAT32_MAX, MIN_BATCH_SIZE, check_output_path
+from peradapt.config import MIN_BATCH_SIZE, check_output_path
 from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.session import resolve_device
 from peradapt.progress import progress_display, text_console
+from peradapt.settings import FLOAT32_MAX
 
 HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
 # (peak learning rate, weight decay): ResNets train with Nesterov SGD. ViTs train poorly from scratch with SGD, so

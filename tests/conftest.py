@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+
+from peradapt.config import MethodConfig, setting_owners
+from peradapt.methods import METHODS, Method
 
 TINY_BACKBONE = "resnet10_w4"
 TINY_VIT = "vit_tiny_p4_32"  # registered by peradapt: 32 px, patch 4
@@ -36,6 +41,17 @@ def write_fmnist_like(directory: Path, num_train: int = 1800, num_test: int = 60
         (directory / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(images)))
         (directory / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     return directory
+
+
+def method_config(method: str | type[Method], /, **values: Any) -> tuple[MethodConfig, Any]:
+    """The shared `MethodConfig` and the method's own settings (its `settings_class`) from flat values, split as
+    `TrainConfig.from_flat` splits them, for a `MethodContext` built by hand. Other methods' settings are left out
+    (a test's defaults for a family of methods), as they would have no effect."""
+    cls = METHODS[method] if isinstance(method, str) else method
+    own = {field.name for field in dataclasses.fields(cls.settings_class)}
+    others = {key for key in values if key not in own and setting_owners(key)}
+    shared = MethodConfig(**{key: value for key, value in values.items() if key not in own | others})
+    return shared, cls.settings_class(**{key: value for key, value in values.items() if key in own})
 
 
 def settings(fmnist_dir: Path, out: Path, **overrides: object) -> dict:

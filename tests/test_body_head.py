@@ -11,11 +11,11 @@ import torch
 from torch.testing import assert_close
 
 from peradapt.commands.finished_run import open_run
-from peradapt.config import MethodConfig
 from peradapt.methods import METHODS, ClientUpdate, MethodContext
 from peradapt.methods.base import PERSONAL_KEY
 from peradapt.rundir.store import ClientStore
 
+from .conftest import method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_partial import LR, PERSONAL_LR, export_loads_in_plain_timm, full_trainer, hand_step, split
 from .test_perada import BATCH, TOL, client, image_set, perturbed
@@ -28,7 +28,8 @@ FT_LR = 0.05  # five full-model steps at PERSONAL_LR amplify float rounding past
 
 def build(name, trainer, initial, clients=(), **settings):
     values = {"local_epochs": 1, "personal_epochs": 1, "lr": LR, "personal_lr": PERSONAL_LR, **settings}
-    context = MethodContext(MethodConfig(method=name, **values), trainer, ClientStore(), initial, None, clients)
+    config, own = method_config(name, method=name, **values)
+    context = MethodContext(config, trainer, ClientStore(), initial, None, clients, settings=own)
     return METHODS[name](context)
 
 
@@ -148,7 +149,7 @@ def test_fedbabu_personalizes_by_fine_tuning_the_whole_global_model_for_five_epo
     everything = rates(trainer, set(initial), FT_LR)  # body and head, at --personal-lr
     assert_close(personalized, steps(trainer, global_state, clients[1].train, everything, 5), **TOL)
     assert not torch.allclose(personalized["fc.weight"], global_state["fc.weight"])
-    method.config.ft_epochs = 2  # --ft-epochs overrides the paper's 5
+    method.settings.ft_epochs = 2  # --ft-epochs overrides the paper's 5
     assert_close(method.personalized(1, global_state), steps(trainer, global_state, clients[1].train, everything, 2))
     parameters = trainer.model.trainable_parameters()
     whole, head = trainer.model.num_trainable(), sum(parameters[k].numel() for k in HEAD)

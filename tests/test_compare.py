@@ -56,3 +56,23 @@ def test_compare_rejects_what_it_sets_itself(tmp_path, fmnist_dir, capsys, monke
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 2 and "fedsomething" in err
     assert not out.exists()
+
+
+def test_compare_gives_each_method_only_the_settings_it_takes(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    out = tmp_path / "cmp"
+    args = compare_args(fmnist_dir, out, "--rounds", "1", "--mu", "0.5", "--limit-samples", "400")
+    args[args.index("--methods") + 1] = "fedavg,fedprox-li"
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    saved = {
+        m: json.loads((out / f"{m}-seed0" / "config.json").read_text())["config"]["method"] for m in args[2].split(",")
+    }
+    assert "mu" not in saved["fedavg"] and saved["fedprox-li"]["mu"] == 0.5
+    assert json.loads((out / "compare.json").read_text())["settings"]["mu"] == 0.5
+
+
+def test_compare_refuses_a_setting_no_compared_method_takes(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    out = tmp_path / "cmp"
+    code, _, err = run_cli(compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1"), capsys, monkeypatch)
+    assert code == 2 and "--feddyn-alpha is a setting of feddyn: none of --methods perada, perada-nokd takes it" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

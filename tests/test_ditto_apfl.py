@@ -11,20 +11,21 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.testing import assert_close
 
-from peradapt.config import MethodConfig
 from peradapt.methods import ClientUpdate, MethodContext
 from peradapt.methods.apfl import ALPHA_KEY, APFL, LOCAL_KEY
 from peradapt.methods.base import PERSONAL_KEY, Method
 from peradapt.methods.ditto import Ditto
 from peradapt.rundir.store import ClientStore
 
+from .conftest import method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer, train_mode
 
 
-def context(trainer, initial, **config):
+def context(trainer, initial, method=APFL, **config):
     defaults = {"local_epochs": 1, "personal_epochs": 1, "lam": 0.5, "lr": 0.1, "batch_size": BATCH}
-    return MethodContext(MethodConfig(**{**defaults, **config}), trainer, ClientStore(), initial, distiller=None)
+    shared, own = method_config(method, **{**defaults, **config})
+    return MethodContext(shared, trainer, ClientStore(), initial, distiller=None, settings=own)
 
 
 def uploads_with_samples(samples):
@@ -47,7 +48,7 @@ def test_ditto_client_update_uploads_local_sgd_and_keeps_the_proximal_personal_m
     trainer = tiny_trainer()
     data = image_set(BATCH, seed=3)
     initial, global_state = perturbed(trainer.model, seed=1), perturbed(trainer.model, seed=2)
-    method = Ditto(context(trainer, initial, personal_lr=0.05))
+    method = Ditto(context(trainer, initial, Ditto, personal_lr=0.05))
 
     update = method.client_update(client(4, data), global_state, seed=0)
 
@@ -70,7 +71,7 @@ def test_ditto_personal_model_persists_across_rounds_and_lr_defaults_to_lr():
     data = image_set(BATCH, seed=3)
     initial = perturbed(trainer.model, seed=1)
     first_global, second_global = perturbed(trainer.model, seed=2), perturbed(trainer.model, seed=5)
-    method = Ditto(context(trainer, initial))
+    method = Ditto(context(trainer, initial, Ditto))
     method.client_update(client(4, data), first_global, seed=0)
     personal = method.store.get(4, PERSONAL_KEY)
     expected_first, _ = hand_sgd_step(trainer, initial, data, lr=0.1, anchor=first_global, lam=0.5)
@@ -84,7 +85,7 @@ def test_ditto_personal_model_persists_across_rounds_and_lr_defaults_to_lr():
 
 def test_ditto_server_update_is_the_sample_weighted_fedavg_mean():
     trainer = tiny_trainer()
-    method = Ditto(context(trainer, trainer.model.state()))
+    method = Ditto(context(trainer, trainer.model.state(), Ditto))
     global_state = {"w": torch.zeros(2), "steps": torch.tensor(0)}
     averaged, info = method.server_update(global_state, uploads_with_samples([1, 100, 10]), seed=0, round_index=0)
     # (1 * [1, 2] + 100 * [2, 4] + 10 * [6, 0]) / 111
@@ -95,7 +96,7 @@ def test_ditto_server_update_is_the_sample_weighted_fedavg_mean():
 
 def test_ditto_class_attributes_and_parameter_counts():
     trainer = tiny_trainer()
-    method = Ditto(context(trainer, trainer.model.state()))
+    method = Ditto(context(trainer, trainer.model.state(), Ditto))
     n = trainer.model.num_trainable()
     assert (Ditto.default_scope, Ditto.uses_proximal, Method.uses_proximal) == ("full", True, False)
     assert method.parameter_counts() == {"personalized": n, "trained": 2 * n, "communicated": n}

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from peradapt.config import MethodConfig
 from peradapt.errors import TrainingDiverged
 from peradapt.methods import ClientUpdate, MethodContext
 from peradapt.methods.base import PERSONAL_KEY
@@ -26,6 +25,7 @@ from peradapt.methods.mtl import MTL
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import derive_seed
 
+from .conftest import method_config
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer
 from .test_perada import train_mode as train_mode_of
@@ -39,8 +39,9 @@ BN2 = [f"base_model.model.layer4.0.bn2.modules_to_save.default.{suffix}" for suf
 
 def make(cls, trainer, federated=None, **overrides):
     settings = {"local_epochs": 1, "lr": LR, "lam": LAM, "batch_size": BATCH, "ala_lr": ETA, **overrides}
+    shared, own = method_config(cls, **settings)
     context = MethodContext(
-        MethodConfig(**settings), trainer, ClientStore(), trainer.model.state(), None, federated=federated
+        shared, trainer, ClientStore(), trainer.model.state(), None, federated=federated, settings=own
     )
     return cls(context)
 

@@ -17,6 +17,7 @@ from peradapt.methods.feddf import FedDF
 from peradapt.methods.standalone import OWN_KEY, Standalone
 from peradapt.rundir.store import ClientStore
 
+from .conftest import method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import (
     BATCH,
@@ -30,9 +31,11 @@ from .test_perada import (
 )
 
 
-def method_context(trainer, initial, clients=(), distiller=None, **settings):
-    config = MethodConfig(**{"local_epochs": 1, "lr": 0.1, "batch_size": BATCH, **settings})
-    return MethodContext(config, trainer, ClientStore(), initial, distiller, clients)
+def method_context(trainer, initial, clients=(), distiller=None, method=None, **settings):
+    """A context with the shared settings, and `method`'s own ones if it is given."""
+    values = {"local_epochs": 1, "lr": 0.1, "batch_size": BATCH, **settings}
+    config, own = method_config(method, **values) if method else (MethodConfig(**values), None)
+    return MethodContext(config, trainer, ClientStore(), initial, distiller, clients, settings=own)
 
 
 def hand_sgd(trainer, start, data, lr, epochs):
@@ -128,7 +131,9 @@ def test_fedavg_ft_fine_tunes_the_global_state_on_the_clients_own_data():
     clients = [client(i, image_set(BATCH, seed=10 + i)) for i in range(3)]
     global_state = perturbed(trainer.model, seed=2)
     before = clone(global_state)
-    method = FedAvgFT(method_context(trainer, trainer.model.state(), clients, ft_epochs=2, personal_lr=0.05))
+    method = FedAvgFT(
+        method_context(trainer, trainer.model.state(), clients, method=FedAvgFT, ft_epochs=2, personal_lr=0.05)
+    )
 
     personalized = method.personalized(1, global_state)
 
@@ -145,14 +150,14 @@ def test_fedavg_ft_is_deterministic_and_zero_epochs_means_the_global_state():
     trainer = tiny_trainer()
     clients = [client(0, image_set(2 * BATCH, seed=10))]  # two shuffled minibatches per epoch
     global_state = perturbed(trainer.model, seed=2)
-    method = FedAvgFT(method_context(trainer, trainer.model.state(), clients, ft_epochs=2))
+    method = FedAvgFT(method_context(trainer, trainer.model.state(), clients, method=FedAvgFT, ft_epochs=2))
 
     first = method.personalized(0, global_state)
     trainer.sgd(perturbed(trainer.model, seed=7), clients[0].train, epochs=1, lr=0.1, seed=123)  # disturb RNG
     assert_close(method.personalized(0, global_state), first, atol=0, rtol=0)
     assert differs(first, global_state)
 
-    method.config.ft_epochs = 0
+    method.settings.ft_epochs = 0
     assert method.personalized(0, global_state) is global_state
 
 

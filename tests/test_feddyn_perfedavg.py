@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from peradapt.config import MethodConfig
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError
 from peradapt.methods import MethodContext
@@ -25,6 +24,7 @@ from peradapt.methods.perfedavg import PerFedAvg
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, derive_seed
 
+from .conftest import method_config
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, image_set, normalized, perturbed, tiny_trainer
 from .test_pfedme_pfedbred import module_at, names_of, params, server_problem, set_params, values
@@ -44,9 +44,8 @@ def make(cls, trainer, clients=(), federated=None, **overrides):
         "perfedavg_delta": DELTA,
         **overrides,
     }
-    context = MethodContext(
-        MethodConfig(**settings), trainer, ClientStore(), trainer.model.state(), None, clients, 0, federated
-    )
+    shared, own = method_config(cls, **settings)
+    context = MethodContext(shared, trainer, ClientStore(), trainer.model.state(), None, clients, 0, federated, own)
     return cls(context)
 
 
@@ -321,7 +320,10 @@ def test_one_round_cli_run_exports_every_client(method, fmnist_dir, tmp_path, ca
     report = json.loads((run / "report.json").read_text())
     assert report["method"] == method and len(report["personalized"]["local_test"]["per_client"]) == 4
     saved = json.loads((run / "config.json").read_text())["config"]["method"]
-    assert (saved["feddyn_alpha"], saved["perfedavg_variant"], saved["perfedavg_delta"]) == (0.01, "hf", 0.001)
+    # each method's own settings, at their defaults, in config.json; not the other method's
+    own = {"feddyn": {"feddyn_alpha": 0.01}, "perfedavg": {"perfedavg_variant": "hf", "perfedavg_delta": 0.001}}
+    assert {key: saved[key] for key in own[method]} == own[method]
+    assert not any(key in saved for other, settings in own.items() if other != method for key in settings)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["local_loss"] > 0
 

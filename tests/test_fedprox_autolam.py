@@ -21,7 +21,7 @@ from peradapt.config import MethodConfig
 from peradapt.errors import RunError
 from peradapt.methods import METHODS, ClientUpdate, Method, MethodContext, auto_lam
 from peradapt.methods.auto_lam import RHO, choose_lam, client_risk, estimate_lam, heterogeneity
-from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.base import PERSONAL_KEY, ServerStepSettings
 from peradapt.methods.fedprox import FedProx
 from peradapt.methods.perada import PerAda, PerAdaNoKD
 from peradapt.rundir.store import ClientStore
@@ -36,8 +36,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; L-BFGS's many
 
 def fedprox(trainer, initial, lam=0.5, lr=0.3, personal_lr=0.1, beta=1.0):
     config = MethodConfig("fedprox", local_epochs=1, personal_epochs=1, lam=lam, lr=lr, personal_lr=personal_lr)
-    config.beta, config.batch_size = beta, BATCH
-    return FedProx(MethodContext(config, trainer, ClientStore(), initial, distiller=None))
+    config.batch_size = BATCH
+    settings = ServerStepSettings(beta=beta)
+    return FedProx(MethodContext(config, trainer, ClientStore(), initial, distiller=None, settings=settings))
 
 
 def test_client_step_is_proximal_sgd_from_the_stored_personal_model():
@@ -101,7 +102,7 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
     assert stepped["steps"].item() == 4
     assert info == {}
 
-    method.config.beta = 1.0  # gamma = 1/lam (the paper's MNIST setting): the mean of the personalized models
+    method.settings.beta = 1.0  # gamma = 1/lam (the paper's MNIST setting): the mean of the personalized models
     stepped, _ = method.server_update(global_state, updates, seed=0, round_index=0)
     assert_close(stepped["w"], torch.tensor([1.5, 5.0]))
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from peradapt.config import MethodConfig
 from peradapt.methods import METHODS, ClientUpdate, MethodContext
 from peradapt.methods.fedprox_li import FedProxLi
 from peradapt.rundir.store import ClientStore
 
+from .conftest import method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_partial import export_loads_in_plain_timm, full_trainer
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, perturbed
@@ -26,7 +26,8 @@ LR, MU = 0.1, 0.5
 
 def build(name, trainer, initial, **settings):
     values = {"local_epochs": 1, "personal_epochs": 1, "lr": LR, "mu": MU, **settings}
-    return METHODS[name](MethodContext(MethodConfig(method=name, **values), trainer, ClientStore(), initial, None))
+    config, own = method_config(name, method=name, **values)
+    return METHODS[name](MethodContext(config, trainer, ClientStore(), initial, None, settings=own))
 
 
 # ---------------------------------------------------------------- FedProx (Li et al.)

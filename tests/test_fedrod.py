@@ -21,7 +21,7 @@ from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.commands.finished_run import open_run
 from peradapt.compute.trainer import InputPipeline, LocalTrainer
-from peradapt.config import MethodConfig, TrainConfig
+from peradapt.config import TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError, WeightsError
 from peradapt.methods import ClientUpdate, MethodContext
@@ -29,7 +29,7 @@ from peradapt.methods.base import PERSONAL_KEY
 from peradapt.methods.fedrod import FedRoD
 from peradapt.rundir.store import ClientStore
 
-from .conftest import TINY_BACKBONE
+from .conftest import TINY_BACKBONE, method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, SIZE, TOL, normalized
 
@@ -63,8 +63,8 @@ def rod_trainer(kind: str = "none", scope: str = "full") -> LocalTrainer:
 
 def build(trainer: LocalTrainer, initial, clients=(), **config) -> FedRoD:
     settings = {"method": "fedrod", "local_epochs": 1, "personal_epochs": 1, "lr": LR, "personal_lr": PERSONAL_LR}
-    method_config = MethodConfig(**{**settings, **config})
-    return FedRoD(MethodContext(method_config, trainer, ClientStore(), initial, None, clients))
+    shared, own = method_config(FedRoD, **{**settings, **config})
+    return FedRoD(MethodContext(shared, trainer, ClientStore(), initial, None, clients, settings=own))
 
 
 def random_state(trainer: LocalTrainer, seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:

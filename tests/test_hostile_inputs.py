@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import peradapt.federation.engine as engine
 from peradapt.cli import app
+from peradapt.config import listed_settings, setting_owners
 
 from .test_cli import run_cli, tiny_args
 
@@ -42,6 +43,21 @@ def numeric_flags(command: str) -> list[str]:
     params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
     numeric = (click.types.IntParamType, click.types.FloatParamType)
     return sorted(p.opts[0] for p in params if isinstance(p.type, numeric) and p.opts[0].startswith("--"))
+
+
+def numeric_settings() -> dict[str, list[str]]:
+    """The `train` flags of the settings declared with a number type, each with the arguments under which it
+    counts: for a method's own setting, a --method that takes it (any other method refuses it by name)."""
+    flags = {}
+    for declared, _ in listed_settings():
+        if declared.flag and declared.base_type in ("int", "float") and not declared.auto:  # lam: NUMBER_IN_STRING
+            owners = setting_owners(declared.name)
+            flags[declared.flag_name] = ["--method", owners[0]] if owners else []
+    return flags
+
+
+def test_every_numeric_flag_is_a_numeric_setting():
+    assert sorted(numeric_settings()) == numeric_flags("train")
 
 
 NUMBERS = st.one_of(
@@ -82,11 +98,11 @@ def outcome(args, capsys, monkeypatch) -> str:
 @given(data=st.data())
 def test_any_number_for_any_train_setting(data, tmp_path, fmnist_dir, capsys, monkeypatch, home):
     monkeypatch.setattr(engine, "RunLock", StopAtTheRunDirectory)
-    flags = [*numeric_flags("train"), *NUMBER_IN_STRING]
-    flag = data.draw(st.sampled_from(flags), label="flag")
+    numeric = numeric_settings()
+    flag = data.draw(st.sampled_from([*numeric, *NUMBER_IN_STRING]), label="flag")
     value = data.draw(NUMBERS, label="value")
     if flag in NUMBER_IN_STRING:
         value = NUMBER_IN_STRING[flag].format(value)
     out = tmp_path / "run"
-    outcome(tiny_args(fmnist_dir, out, flag.strip(), value), capsys, monkeypatch)
+    outcome(tiny_args(fmnist_dir, out, *numeric.get(flag, []), flag.strip(), value), capsys, monkeypatch)
     assert not out.exists()

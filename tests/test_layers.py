@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "peradapt"
 # package `peradapt` (the public facade: `peradapt.train`, ...) sits on top of everything.
 LAYERS = [
     ["errors", "home", "progress", "seeds"],
+    ["settings"],
     ["config"],
     ["presets"],
     ["backbones"],

@@ -17,12 +17,11 @@ from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.commands.finished_run import open_run
 from peradapt.compute.trainer import InputPipeline, LocalTrainer
-from peradapt.config import MethodConfig
 from peradapt.methods import METHODS, ClientUpdate, MethodContext
 from peradapt.methods.base import PERSONAL_KEY
 from peradapt.rundir.store import ClientStore
 
-from .conftest import TINY_BACKBONE
+from .conftest import TINY_BACKBONE, method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed
 
@@ -41,10 +40,9 @@ def full_trainer(kind="none"):
 
 
 def build(name, trainer, initial, part=None, **settings):
-    config = MethodConfig(
-        method=name, personal_part=part, local_epochs=1, personal_epochs=1, lr=LR, personal_lr=PERSONAL_LR, **settings
-    )
-    return METHODS[name](MethodContext(config, trainer, ClientStore(), initial, distiller=None))
+    values = {"local_epochs": 1, "personal_epochs": 1, "lr": LR, "personal_lr": PERSONAL_LR, **settings}
+    config, own = method_config(name, method=name, personal_part=part, **values)
+    return METHODS[name](MethodContext(config, trainer, ClientStore(), initial, distiller=None, settings=own))
 
 
 # ---------------------------------------------------------------- which keys are personal

@@ -25,6 +25,7 @@ from peradapt.rundir.checkpoint import load_latest_checkpoint
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, derive_seed
 
+from .conftest import method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed, tiny_trainer, train_mode
 
@@ -46,7 +47,8 @@ def make(cls, trainer, **overrides):
         "prior_eta": PRIOR_ETA,
         **overrides,
     }
-    return cls(MethodContext(MethodConfig(**settings), trainer, ClientStore(), trainer.model.state(), None))
+    shared, own = method_config(cls, **settings)
+    return cls(MethodContext(shared, trainer, ClientStore(), trainer.model.state(), None, settings=own))
 
 
 def names_of(trainer):
@@ -285,7 +287,7 @@ def test_pfedbred_mh_over_several_local_steps_and_two_rounds():
     data = image_set(2 * BATCH, seed=4)
     w1, w2 = perturbed(trainer.model, seed=2), perturbed(trainer.model, seed=9)
     method = make(PFedBreD, trainer)  # mh, the default
-    assert method.config.prior == "mh"
+    assert method.settings.prior == "mh"
 
     first = method.client_update(client(3, data), w1, seed=1)
     # First participation: theta and the memory are the received global model.
@@ -524,7 +526,8 @@ def test_one_round_cli_run_exports_every_clients_model(extra, fmnist_dir, tmp_pa
     report = json.loads((run / "report.json").read_text())
     assert report["method"] == extra[1] and len(report["personalized"]["local_test"]["per_client"]) == 4
     saved = json.loads((run / "config.json").read_text())["config"]["method"]
-    assert saved["scope"] is None and saved["prior"] == ("mh-code" if "mh-code" in extra else "mh")
+    prior = "mh-code" if "mh-code" in extra else "mh"
+    assert saved["scope"] is None and saved.get("prior") == (prior if extra[1] == "pfedbred" else None)  # its own
     assert saved["am"] == ("--am" in extra) and saved["train_clients"] is None
     assert len(metrics) == 1 and metrics[0]["local_loss"] > 0
     assert len(metrics[0]["clients"]) == 2 and metrics[0]["trained_clients"] == 4  # all trained, 2 aggregated

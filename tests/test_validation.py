@@ -136,8 +136,12 @@ def test_image_sizes_and_ranks_a_vit_cannot_take_are_refused(
         {"kd_batch_size": 2, "kd_mode": "train"},
         {"dp_noise": 1e-70, "dp_clip": 1.0, "adapter": "lora"},
         {"kd_temperature": 1e-18},
-        {"lr": 3.4e38, "lam": 0.0, "mu": 0.0, "alpha_lr": 0.0, "prior_lr": 0.0, "prior_eta": 0.0},
-        {"ala_sample": 100.0, "ala_layers": 0, "apfl_alpha": 1.0, "inner_steps": 1, "lora_rank": 1},
+        {"lr": 3.4e38, "lam": 0.0, "lora_rank": 1},
+        # a method's own settings, with a method that takes them
+        {"method": "fedprox-li", "mu": 0.0},
+        {"method": "apfl", "alpha_lr": 0.0, "apfl_alpha": 1.0},
+        {"method": "pfedbred", "prior_lr": 0.0, "prior_eta": 0.0, "inner_steps": 1},
+        {"method": "fedala", "ala_sample": 100.0, "ala_layers": 0},
         {"backbone": TINY_VIT, "image_size": 4},  # one patch
         {"backbone": TINY_VIT, "image_size": 6, "kd_image_size": 6},  # one patch, 2 px left over: timm takes it
         {"backbone": TINY_BACKBONE, "image_size": 1, "kd_image_size": 1},  # ResNets take any size

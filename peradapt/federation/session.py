@@ -31,6 +31,7 @@ from peradapt.data.images import channel_statistics
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, WeightsError
 from peradapt.methods import Method, MethodContext, build_method, check_private_method, method_class
+from peradapt.methods.partial import PartialModelSettings
 from peradapt.rundir.layout import read_partition, read_run_config
 from peradapt.rundir.store import ClientStore, DiskClientStore
 from peradapt.seeds import EVALUATION, derive_seed
@@ -196,7 +197,9 @@ def build_session(
     store = ClientStore(device) if client_store is None else DiskClientStore(client_store, device)
     initial = model.state()
     federated = config.federation.clients - config.federation.holdout_clients
-    context = MethodContext(config.method, trainer, store, initial, distiller, data.clients, config.seed, federated)
+    context = MethodContext(
+        config.method, trainer, store, initial, distiller, data.clients, config.seed, federated, config.method_settings
+    )
     method = build_method(config.method.method, context)
     return Session(config, data, model, trainer, method, store, initial, info, kind, device, fingerprint)
 
@@ -246,6 +249,7 @@ def _distillation_inputs(config: TrainConfig, data: FederatedData, inputs: Input
 
 def _default_kind(config: TrainConfig, scope: str) -> str:
     """Full-model training needs no adapter unless the adapter is the personal part (FedAlt/FedSim)."""
-    if scope == "full" and config.method.personal_part != "adapter":
+    settings = config.method_settings
+    if scope == "full" and not (isinstance(settings, PartialModelSettings) and settings.personal_part == "adapter"):
         return "none"
     return default_adapter_kind(config.backbone.backbone)

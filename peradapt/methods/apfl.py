@@ -31,15 +31,30 @@ default `--lr` (eq. 10 uses the same eta_t); `--alpha-lr 0` keeps alpha fixed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientUpdate, Method, register
 from peradapt.seeds import LOCAL, derive_seed
+from peradapt.settings import setting
 
 LOCAL_KEY = "local"  # v_m
 ALPHA_KEY = "alpha"  # {"alpha": alpha_m}, a 0-d float64 tensor
+
+
+@dataclass
+class APFLSettings:
+    apfl_alpha: float = setting(0.5, help="APFL initial mixing weight α.", minimum=0.0, maximum=1.0, symbol="α_m^(0)")
+    alpha_lr: float | None = setting(
+        None,
+        help="APFL step size of α (0: α stays fixed).",
+        minimum=0.0,
+        shown_default="--lr",
+        symbol="η_α",
+    )
 
 
 @register
@@ -48,6 +63,8 @@ class APFL(Method):
     summary = "personalized model alpha v + (1 - alpha) w with a learned mixing weight (APFL, Algorithm 1)"
     default_scope = "full"
     default_aggregation = "uniform"  # eq. 8: (1/|S|) sum of the uploads
+    settings_class = APFLSettings
+    settings: APFLSettings
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         return self._local_steps(client, global_state, seed, train_w=True)
@@ -61,7 +78,7 @@ class APFL(Method):
     def _local_steps(self, client: ClientData, global_state: AdapterState, seed: int, *, train_w: bool) -> ClientUpdate:
         config, trainer = self.config, self.trainer
         eta = config.lr
-        eta_alpha = eta if config.alpha_lr is None else config.alpha_lr
+        eta_alpha = eta if self.settings.alpha_lr is None else self.settings.alpha_lr
         w, v, alpha = global_state, self.local_model(client.client_id), self.alpha(client.client_id)
         trainer.model.train()
         w_losses, mixed_losses = [], []
@@ -99,7 +116,7 @@ class APFL(Method):
 
     def alpha(self, client_id: int) -> float:
         stored = self.store.get(client_id, ALPHA_KEY)
-        return float(stored[ALPHA_KEY].item()) if stored else self.config.apfl_alpha
+        return float(stored[ALPHA_KEY].item()) if stored else self.settings.apfl_alpha
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.mix(self.alpha(client_id), self.local_model(client_id), global_state)

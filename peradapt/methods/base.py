@@ -1,9 +1,10 @@
 """The method interface: what a personalization algorithm defines, and nothing the engine already does.
 
-A method holds the paper's update rules only. The engine samples clients, runs each one's update (`client_update`,
-or for `LocalSGDMethod`s several clients' `client_steps` together), passes the uploads to `server_update`,
-evaluates and checkpoints. Private per-client state lives in the
-`ClientStore`, so methods stay stateless between calls apart from what they put there.
+A method holds the paper's update rules only, and declares the settings of its own (`settings_class`, a dataclass of
+`peradapt.settings.setting` fields; a family's base class declares the family's, which its subclasses inherit). The
+engine samples clients, runs each one's update (`client_update`, or for `LocalSGDMethod`s several clients'
+`client_steps` together), passes the uploads to `server_update`, evaluates and checkpoints. Private per-client state
+lives in the `ClientStore`, so methods stay stateless between calls apart from what they put there.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
-from peradapt.config import MethodConfig
+from peradapt.config import METHODS as REGISTRY
+from peradapt.config import MethodConfig, check_method_settings
 from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
+from peradapt.settings import NoSettings, setting, validate_settings
 
 PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
 
@@ -45,11 +48,28 @@ class MethodContext:
     clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
     run_seed: int = 0  # --seed, for randomness outside the rounds (e.g. fine-tuning at evaluation time)
     federated: int | None = None  # clients that take part in training (all but --holdout-clients); None: all
+    settings: Any = None  # the method's own settings, an instance of its `settings_class`; None: their defaults
+
+
+@dataclass
+class ServerStepSettings:
+    """The server's step towards the sampled clients' mean, w <- w + β (mean - w): pFedMe's and pFedBreD's β
+    (Algorithm 1), personalized FedProx's γλ (eq. 10)."""
+
+    beta: float = setting(
+        1.0,
+        help="Server step: β of pFedMe/pFedBreD, γλ of fedprox.",
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="β",
+    )
 
 
 class Method(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
+    # The settings of its own: `--flag`s and config keys that only the methods declaring them take.
+    settings_class: ClassVar[type] = NoSettings
     uses_distillation: ClassVar[bool] = False
     uses_proximal: ClassVar[bool] = False  # has a proximal strength lam that `--lam auto` may choose
     default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
@@ -69,6 +89,10 @@ class Method(ABC):
     def __init__(self, context: MethodContext) -> None:
         self.context = context
         self.config = context.config
+        self.settings = self.settings_class() if context.settings is None else context.settings
+        if not isinstance(self.settings, self.settings_class):
+            raise TypeError(f"{self.name} takes {self.settings_class.__name__}, not {type(self.settings).__name__}")
+        validate_settings(self.settings)  # a config checks them already; a context built in code is checked here
         self.trainer = context.trainer
         self.store = context.store
 
@@ -219,10 +243,12 @@ class ProximalPersonalization(LocalSGDMethod):
         return personal, loss
 
 
-METHODS: dict[str, type[Method]] = {}
+METHODS: dict[str, type[Method]] = REGISTRY  # the one registry, kept where the config reads methods' settings
 
 
 def register(cls: type[Method]) -> type[Method]:
+    """Add a method under its `name`; the settings it takes are its `settings_class`'s."""
+    check_method_settings(cls.settings_class)
     METHODS[cls.name] = cls
     return cls
 

@@ -33,15 +33,33 @@ authors' evaluation) at --personal-lr (default --lr), as FedAvg+FT does (`fedavg
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
 from peradapt.methods.base import ClientUpdate, MethodContext, register
-from peradapt.methods.fedavg import FineTuning
-from peradapt.methods.partial import FedAlt, FedSim, PartialModel, subset
+from peradapt.methods.fedavg import FineTuning, FineTuningSettings
+from peradapt.methods.partial import FedAlt, FedSim, PartialModel, PartialModelSettings, subset
 from peradapt.seeds import LOCAL, derive_seed
+from peradapt.settings import setting
 
 HEAD = "head"
+
+
+@dataclass
+class FedRepSettings(PartialModelSettings):
+    body_epochs: int = setting(
+        1,
+        help="FedRep: epochs on the shared body after --personal-epochs on the head (it ignores --local-epochs; "
+        "Collins et al.: 1, 5 on some datasets).",
+        minimum=1,
+    )
+
+
+@dataclass
+class FedBABUSettings(FineTuningSettings, PartialModelSettings):
+    """Fine-tuning's settings and the partial-model methods' --personal-part (which may only name the head)."""
 
 
 @register
@@ -57,10 +75,12 @@ class FedRep(FedAlt):
     summary = "FedRep: personal head trained first, then the shared body (Collins et al. 2021, Algorithm 1)"
     default_part = HEAD
     default_aggregation = "uniform"
+    settings_class = FedRepSettings
+    settings: FedRepSettings
 
     @property
     def shared_epochs(self) -> int:
-        return self.config.body_epochs
+        return self.settings.body_epochs
 
 
 @register
@@ -69,9 +89,11 @@ class FedBABU(FineTuning, PartialModel):
     summary = "FedBABU: body averaged, head fixed at its random init, whole model fine-tuned per client (Oh et al.)"
     default_part = HEAD  # the part that stays at its initialization, not a personal one
     default_ft_epochs = 5
+    settings_class = FedBABUSettings
+    settings: FedBABUSettings
 
     def __init__(self, context: MethodContext) -> None:
-        if context.config.personal_part not in (None, HEAD, "output"):
+        if context.settings is not None and context.settings.personal_part not in (None, HEAD, "output"):
             raise ConfigError("--method fedbabu keeps the classifier head at its initialization: drop --personal-part")
         super().__init__(context)
 

@@ -35,6 +35,8 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -42,6 +44,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
 from peradapt.seeds import derive_seed
+from peradapt.settings import setting
 
 ALA = 21  # seed phase of ALA's data sample and of its minibatches
 LOCAL_KEY = "local"  # Θ_i in the ClientStore
@@ -64,15 +67,38 @@ def converged(losses: list[float]) -> bool:
     return len(losses) > CONVERGED_WINDOW and float(np.std(window)) < CONVERGED_STD
 
 
+@dataclass
+class FedALASettings:
+    ala_sample: float = setting(
+        80.0,
+        help="FedALA s: percent of the local data ALA learns its weights on.",
+        minimum=0.0,
+        maximum=100.0,
+        exclusive_minimum=True,
+        symbol="s",
+    )
+    ala_layers: int = setting(
+        1, help="FedALA p: ALA on the last p layers (1: the head; 0: all).", minimum=0, symbol="p"
+    )
+    ala_lr: float = setting(
+        1.0,
+        help="FedALA η: step size of the aggregation weights.",
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="η",
+    )
+
+
 @register
 class FedALA(LocalSGDMethod):
     name = "fedala"
     summary = "FedALA: adaptive element-wise aggregation of the global into the local model (Zhang et al. 2023)"
+    settings_class = FedALASettings
+    settings: FedALASettings
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
-        # --ala-sample, --ala-layers and --ala-lr are range-checked with every setting (`TrainConfig.validate`)
-        self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), self.config.ala_layers)
+        self.higher = higher_layers(list(self.trainer.model.trainable_parameters()), self.settings.ala_layers)
 
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         start, weights, ala_epochs = self.adaptive_local_aggregation(client, global_state, seed)
@@ -93,7 +119,7 @@ class FedALA(LocalSGDMethod):
         stored = self.store.get(client.client_id, WEIGHTS_KEY)
         weights = dict(stored) if stored else {name: torch.ones_like(local[name]) for name in self.higher}
         difference = {name: global_state[name] - local[name] for name in self.higher}  # Θ - Θ_i
-        model, trainer, eta = self.trainer.model, self.trainer, self.config.ala_lr
+        model, trainer, eta = self.trainer.model, self.trainer, self.settings.ala_lr
         model.load_state({**global_state, **{n: local[n] + difference[n] * weights[n] for n in self.higher}})
         model.train()
         parameters = model.trainable_parameters()
@@ -123,7 +149,7 @@ class FedALA(LocalSGDMethod):
 
     def sample(self, data: ImageSet, seed: int) -> ImageSet:
         """s% of the client's training samples, drawn afresh every round (Algorithm 1, line 6)."""
-        count = max(1, int(self.config.ala_sample / 100 * len(data)))
+        count = max(1, int(self.settings.ala_sample / 100 * len(data)))
         generator = torch.Generator().manual_seed(derive_seed(seed, ALA))
         return data.subset(torch.randperm(len(data), generator=generator)[:count])
 

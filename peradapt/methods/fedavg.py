@@ -21,12 +21,14 @@ or exported (learning rate --personal-lr, default --lr). The fine-tuning is loca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, Method, register
 from peradapt.seeds import derive_seed
+from peradapt.settings import setting
 
 FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
 
@@ -53,6 +55,24 @@ class FedAvg(LocalSGDMethod):
         return {"personalized": 0, "trained": trainable, "communicated": trainable}
 
 
+@dataclass
+class FineTuningSettings:
+    ft_epochs: int | None = setting(
+        None,
+        help="Fine-tuning epochs of fedavg-ft and fedbabu.",
+        minimum=0,
+        shown_default="the method's: 1, 5",
+    )
+    ft_steps: int | None = setting(
+        None,
+        help="Fine-tuning methods (fedavg-ft, perfedavg, ...): fine-tune with N minibatch steps instead of "
+        "--ft-epochs (0: none).",
+        minimum=0,
+        metavar="N",
+        shown_default="perfedavg 1 unless --ft-epochs is given, the paper's one step; the others --ft-epochs",
+    )
+
+
 class FineTuning(Method):
     """Personalization by local fine-tuning at evaluation time (FedAvg+FT, FedBABU): client m is evaluated and
     exported with the global model after --ft-epochs (default: the method's `default_ft_epochs`) of SGD on all its
@@ -62,16 +82,18 @@ class FineTuning(Method):
     default_ft_epochs: ClassVar[int]
     default_ft_steps: ClassVar[int | None] = None  # fine-tuning counted in steps unless --ft-epochs is given
     supports_dp = False  # it fine-tunes on client data at every evaluation, outside the rounds' accounting
+    settings_class: ClassVar[type] = FineTuningSettings
+    settings: FineTuningSettings
 
     @property
     def ft_epochs(self) -> int:
-        return self.default_ft_epochs if self.config.ft_epochs is None else self.config.ft_epochs
+        return self.default_ft_epochs if self.settings.ft_epochs is None else self.settings.ft_epochs
 
     @property
     def ft_steps(self) -> int | None:
         """--ft-steps; else, unless --ft-epochs is given, the method's `default_ft_steps`. None: count epochs."""
-        if self.config.ft_steps is not None or self.config.ft_epochs is not None:
-            return self.config.ft_steps
+        if self.settings.ft_steps is not None or self.settings.ft_epochs is not None:
+            return self.settings.ft_steps
         return self.default_ft_steps
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:

@@ -33,19 +33,38 @@ Conventions of this implementation:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError
 from peradapt.methods.base import ClientSteps, ClientUpdate, MethodContext, register
 from peradapt.methods.fedavg import FedAvg
+from peradapt.settings import setting
 
 GRADIENT_KEY = "feddyn_gradient"  # grad L_k(theta_k^{t-1}) in the ClientStore
 CLIENT_ALPHAS = ("uniform", "by-size")
 
 Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class FedDynSettings:
+    feddyn_alpha: float = setting(
+        0.01,  # the authors' CIFAR-10 script
+        help="FedDyn α: weight of the dynamic regularizer.",
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="α",
+    )
+    feddyn_client_alpha: str = setting(
+        "uniform",
+        help="FedDyn α per client: uniform (Algorithm 1) or by-size (the authors' code: α·n̄/n_k, n_k the client's "
+        "samples, n̄ their mean).",
+        choices=CLIENT_ALPHAS,
+        symbol="α_k",
+    )
 
 
 @register
@@ -54,21 +73,18 @@ class FedDyn(FedAvg):
     summary = "FedDyn: local problems with a dynamic linear + quadratic regularizer (Acar et al. 2021, Algorithm 1)"
     default_scope = "full"  # PerAda Table 2: "FedDyn, generic FL, Full"
     default_aggregation = "uniform"  # Algorithm 1: (1/|P_t|) sum_k theta_k^t
+    settings_class = FedDynSettings
+    settings: FedDynSettings
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
-        config = self.config
-        if config.feddyn_client_alpha not in CLIENT_ALPHAS:
-            raise ConfigError(
-                f"unknown --feddyn-client-alpha '{config.feddyn_client_alpha}': use {', '.join(CLIENT_ALPHAS)}"
-            )
         self.num_clients = context.federated if context.federated is not None else len(context.clients)  # m
         self.h: Tensors | None = None  # the server state h^{t-1}; None: zero
 
     def client_alpha(self, client: ClientData) -> float:
         """alpha, or with --feddyn-client-alpha by-size the authors' alpha * n_mean / n_k."""
-        alpha = self.config.feddyn_alpha
-        if self.config.feddyn_client_alpha == "uniform":
+        alpha = self.settings.feddyn_alpha
+        if self.settings.feddyn_client_alpha == "uniform":
             return alpha
         sizes = [len(c.train) for c in self.context.clients[: self.num_clients]]
         return alpha * (sum(sizes) / len(sizes)) / len(client.train)
@@ -97,7 +113,7 @@ class FedDyn(FedAvg):
         round_index: int,
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        alpha, m = self.config.feddyn_alpha, self.num_clients
+        alpha, m = self.settings.feddyn_alpha, self.num_clients
         mean = self.server_mean(updates)  # (1/|P_t|) sum_k theta_k^t; statistics too
         h = self.h or zeros(global_state, self.trainer.model.trainable_parameters())
         drift = {n: sum(update.upload[n] - global_state[n] for update in updates) for n in h}

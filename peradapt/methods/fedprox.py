@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.methods.base import ClientSteps, ClientUpdate, ProximalPersonalization, register
+from peradapt.methods.base import ClientSteps, ClientUpdate, ProximalPersonalization, ServerStepSettings, register
 
 
 @register
@@ -44,6 +44,8 @@ class FedProx(ProximalPersonalization):
     default_aggregation = "uniform"  # Algorithm 1 averages with 1/m
     uses_proximal = True
     supports_dp = True
+    settings_class = ServerStepSettings  # --beta = gamma * lam
+    settings: ServerStepSettings
 
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         # eq. (11): K steps on h_i(., w_g) from the warm start w_{t-1,K}
@@ -59,7 +61,7 @@ class FedProx(ProximalPersonalization):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         mean = self.server_mean(updates)  # (1/m) Σ_i w_{t,K}^(i)
-        beta = self.config.beta  # gamma * lam
+        beta = self.settings.beta  # gamma * lam
         stepped = dict(mean)  # running statistics: the plain mean
         for name in self.trainer.model.trainable_parameters():
             stepped[name] = global_state[name] + beta * (mean[name] - global_state[name])

@@ -22,24 +22,38 @@ FedAvg. This is not `fedprox`, Yu et al.'s personalized FedProx, whose lam pulls
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, register
 from peradapt.methods.fedavg import FedAvg
+from peradapt.settings import setting
+
+
+@dataclass
+class FedProxLiSettings:
+    mu: float = setting(
+        1.0,  # Li et al.'s best value on MNIST, FEMNIST and synthetic data
+        help="fedprox-li: proximal strength μ towards the global model.",
+        minimum=0.0,
+        symbol="μ",
+    )
 
 
 @register
 class FedProxLi(FedAvg):
     name = "fedprox-li"
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w^t||^2 in the local problem (Li et al., Alg. 2)"
+    settings_class = FedProxLiSettings
+    settings: FedProxLiSettings
 
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
-        config = self.config
         local, loss = yield self.local_job(
             client,
             global_state,
             seed,
             anchor=global_state,  # w^t, fixed during the local epochs
-            lam=config.mu,
+            lam=self.settings.mu,
         )
         return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})

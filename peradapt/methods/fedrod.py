@@ -33,6 +33,8 @@ and exported with the global (theta, psi) and its phi_m. eta = --lr, eta_p = --p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,10 +42,21 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.methods.base import MethodContext, register
-from peradapt.methods.partial import PartialModel
+from peradapt.methods.partial import PartialModel, PartialModelSettings
 from peradapt.seeds import LOCAL, derive_seed
+from peradapt.settings import setting
 
 PERSONAL_HEAD_INITS = ("zero", "generic")
+
+
+@dataclass
+class FedRoDSettings(PartialModelSettings):
+    personal_head_init: str = setting(
+        "zero",
+        help="FedRoD: each client's personal head at start: zero (the global model is then the generic one) or "
+        "generic (a copy of the initial generic head, as PFLlib).",
+        choices=PERSONAL_HEAD_INITS,
+    )
 
 
 @register
@@ -52,20 +65,17 @@ class FedRoD(PartialModel):
     summary = "FedRoD: Balanced-Softmax generic model, personal linear head on top (Chen & Chao 2022, Algorithm 1)"
     second_head = True
     default_part = "personal head"
+    settings_class = FedRoDSettings
+    settings: FedRoDSettings
 
     def __init__(self, context: MethodContext) -> None:
-        config = context.config
-        if config.personal_head_init not in PERSONAL_HEAD_INITS:
-            raise ConfigError(
-                f"unknown --personal-head-init '{config.personal_head_init}': use {', '.join(PERSONAL_HEAD_INITS)}"
-            )
         if any(client.train.labels is not None and client.train.labels.dim() == 2 for client in context.clients):
             raise ConfigError(
                 "--method fedrod balances its softmax by each client's class counts, which multi-label data has "
                 "not: use another --method"
             )
-        super().__init__(context)
-        if config.personal_head_init == "generic":
+        super().__init__(context)  # checks the settings: an unknown --personal-head-init is refused there
+        if self.settings.personal_head_init == "generic":
             heads = self.trainer.model.personal_head_keys
             self.initial_personal = {key: context.initial[generic].clone() for key, generic in heads.items()}
 

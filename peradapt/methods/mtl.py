@@ -41,13 +41,15 @@ and strength λ M / (M + 1), the mean-regularized rule (a learned Ω has no row 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError, TrainingDiverged
+from peradapt.errors import TrainingDiverged
 from peradapt.methods.base import PERSONAL_KEY, ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
+from peradapt.settings import setting
 
 OMEGAS = ("mean", "learned")
 OMEGA_KK = "mtl.omega_kk"  # the payload's entry holding Ω_kk beside the anchor a_k
@@ -68,6 +70,17 @@ def relationship_omega(gram: torch.Tensor) -> torch.Tensor:
     return eigenvectors @ torch.diag(roots.sum() / roots) @ eigenvectors.T
 
 
+@dataclass
+class MTLSettings:
+    mtl_omega: str = setting(
+        "mean",
+        help="MTL task relationships Ω: mean (fixed (I - 11ᵀ/M)², mean-regularized) or learned (MOCHA's Ω-step "
+        "every round, as the authors' code).",
+        choices=OMEGAS,
+        symbol="Ω",
+    )
+
+
 @register
 class MTL(LocalSGDMethod):
     name = "mtl"
@@ -75,18 +88,18 @@ class MTL(LocalSGDMethod):
     default_aggregation = None  # the server keeps every client's model, it averages nothing
     default_scope = "full"  # PerAda Table 1: "MTL, Full model"
     supports_dp = True
+    settings_class = MTLSettings
+    settings: MTLSettings
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
-        if self.config.mtl_omega not in OMEGAS:
-            raise ConfigError(f"unknown --mtl-omega '{self.config.mtl_omega}': use {', '.join(OMEGAS)}")
         self.num_clients = context.federated if context.federated is not None else len(context.clients)  # M
         self.trainable = list(self.trainer.model.trainable_parameters())
         self.load_server_state({})
 
     def initial_omega(self) -> torch.Tensor:
         m = self.num_clients
-        if self.config.mtl_omega == "mean":
+        if self.settings.mtl_omega == "mean":
             return mean_regularized_omega(m)
         return m * torch.eye(m, dtype=torch.float64)  # Σ = I/M
 
@@ -151,7 +164,7 @@ class MTL(LocalSGDMethod):
         for update in updates:
             for name, tensor in update.upload.items():
                 self.models[name][update.client_id] = tensor.detach().cpu()
-        if self.config.mtl_omega == "learned":
+        if self.settings.mtl_omega == "learned":
             self.omega = relationship_omega(self.gram())
         device = next(iter(global_state.values())).device
         mean = {k: (v.mean(0) if v.is_floating_point() else v[0]).to(device) for k, v in self.models.items()}

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -53,8 +54,10 @@ from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
 from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, MethodContext, register
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
+from peradapt.settings import setting
 
 EXTRACTOR = "extractor"  # LG-FedAvg's personal part: no --personal-part value, only a method default
+PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
 INPUT_MODULES = ("conv1", "bn1", "patch_embed", "cls_token", "reg_token", "pos_embed", "embeddings")
 ADAPTER_MARK = "lora_"
 
@@ -79,15 +82,27 @@ def subset(state: AdapterState, keys: Collection[str]) -> AdapterState:
     return {k: state[k] for k in keys}
 
 
+@dataclass
+class PartialModelSettings:
+    personal_part: str | None = setting(
+        None,
+        help="Partial-model methods: bn, head, input, output or adapter.",
+        choices=PERSONAL_PARTS,
+        shown_default="the method's",
+    )
+
+
 class PartialModel(Method):
     """Shared part averaged by the server, personal part kept in the client store."""
 
     default_scope = "full"
     default_part: ClassVar[str]
+    settings_class: ClassVar[type] = PartialModelSettings
+    settings: PartialModelSettings
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
-        self.part = self.config.personal_part or self.default_part
+        self.part = self.settings.personal_part or self.default_part
         personal = set(self.personal_part_keys())
         self.personal = [k for k in context.initial if k in personal]
         self.shared = [k for k in context.initial if k not in personal]

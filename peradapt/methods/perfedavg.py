@@ -31,17 +31,36 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError
-from peradapt.methods.base import ClientUpdate, MethodContext, register
-from peradapt.methods.fedavg import FedAvgFT
+from peradapt.methods.base import ClientUpdate, register
+from peradapt.methods.fedavg import FedAvgFT, FineTuningSettings
 from peradapt.methods.pfedme import Batch, Tensors, assign, detached, minibatch_gradient
 from peradapt.seeds import LOCAL, derive_seed
+from peradapt.settings import setting
 
 VARIANTS = {"fo": 2, "hf": 3}  # minibatches each local step uses: D, D' (and D'')
+
+
+@dataclass
+class PerFedAvgSettings(FineTuningSettings):
+    perfedavg_variant: str = setting(
+        "hf",
+        help="Per-FedAvg meta-gradient: hf (Hessian-free: finite-difference Hessian-vector product) or fo "
+        "(first-order, as PFLlib).",
+        choices=tuple(VARIANTS),
+    )
+    perfedavg_delta: float = setting(
+        0.001,
+        help="Per-FedAvg (HF) finite-difference step δ.",
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="δ",
+    )
 
 
 @register
@@ -51,16 +70,12 @@ class PerFedAvg(FedAvgFT):
     default_scope = "full"  # a full-model personalized baseline, as pFedMe
     default_aggregation = "uniform"  # line 14: (1/rn) sum_i w^i
     default_ft_steps = 1  # the paper evaluates after one step of local SGD
-
-    def __init__(self, context: MethodContext) -> None:
-        super().__init__(context)
-        config = self.config
-        if config.perfedavg_variant not in VARIANTS:
-            raise ConfigError(f"unknown --perfedavg-variant '{config.perfedavg_variant}': use {', '.join(VARIANTS)}")
+    settings_class = PerFedAvgSettings
+    settings: PerFedAvgSettings
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         config, trainer = self.config, self.trainer
-        per_step = VARIANTS[config.perfedavg_variant]
+        per_step = VARIANTS[self.settings.perfedavg_variant]
         trainer.model.load_state(global_state)  # w_{k+1,0} = w_k
         trainer.model.train()
         batches = trainer.minibatches(
@@ -82,7 +97,7 @@ class PerFedAvg(FedAvgFT):
         loss, grad = self.gradient(batches[0])  # grad f(w; D)
         assign(parameters, {n: w[n] - alpha * grad[n] for n in w})  # w~
         _, meta_gradient = self.gradient(batches[1])  # g = grad f(w~; D')
-        if self.config.perfedavg_variant == "hf":
+        if self.settings.perfedavg_variant == "hf":
             d = self.hessian_vector_product(w, meta_gradient, batches[2])
             meta_gradient = {n: meta_gradient[n] - alpha * d[n] for n in w}
         assign(parameters, {n: w[n] - beta * meta_gradient[n] for n in w})
@@ -91,7 +106,7 @@ class PerFedAvg(FedAvgFT):
     def hessian_vector_product(self, w: Tensors, g: Tensors, batch: Batch) -> Tensors:
         """d = [grad f(w + delta g; D'') - grad f(w - delta g; D'')] / (2 delta), the Hessian-free estimate of
         hess f(w; D'') g."""
-        delta, parameters = self.config.perfedavg_delta, self.trainer.model.trainable_parameters()
+        delta, parameters = self.settings.perfedavg_delta, self.trainer.model.trainable_parameters()
         device = self.trainer.inputs.device
         assign(parameters, {n: w[n] + delta * g[n] for n in w})
         # The RNG is rewound after the first pass, so that the second draws the same dropout masks.

@@ -45,18 +45,36 @@ Conventions of this implementation:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.errors import ConfigError
-from peradapt.methods.base import ClientUpdate, MethodContext, register
-from peradapt.methods.pfedme import Batch, PFedMe, Tensors, assign, detached
+from peradapt.methods.base import ClientUpdate, register
+from peradapt.methods.pfedme import Batch, PFedMe, PFedMeSettings, Tensors, assign, detached
+from peradapt.settings import setting
 
 MEMORY_KEY = "memory"  # w_{i,R}^{(t-1)}: the client's last upload
 CODE_PRIOR = "mh-code"  # mh as the authors' code computes it (Eq. 24, look-ahead gradient on a second minibatch)
 PRIORS = ("lg", "meg", "mh", CODE_PRIOR)
+
+
+@dataclass
+class PFedBreDSettings(PFedMeSettings):
+    prior: str = setting(
+        "mh",
+        help="pFedBreD prior mean: lg, meg, mh (Eq. 14) or mh-code (the authors' code's mh: the Eq. 24 look-ahead "
+        "gradient on a second minibatch, w stepped by it, the inner problem started there).",
+        choices=PRIORS,
+        symbol="μ",
+    )
+    prior_lr: float = setting(
+        0.01, help="pFedBreD meta-step η_α on the loss gradient (lg, mh, mh-code).", minimum=0.0, symbol="η_α"
+    )
+    prior_eta: float = setting(
+        0.05, help="pFedBreD meta-step η on the memorized envelope gradient (meg, mh).", minimum=0.0, symbol="η"
+    )
 
 
 @register
@@ -65,11 +83,8 @@ class PFedBreD(PFedMe):
     summary = "Bregman-Moreau envelope with a personalized prior mean from relaxed mirror descent (Shi et al. 2023)"
     default_scope = "full"
     uses_proximal = True
-
-    def __init__(self, context: MethodContext) -> None:
-        super().__init__(context)
-        if self.config.prior not in PRIORS:
-            raise ConfigError(f"unknown --prior '{self.config.prior}': use {', '.join(PRIORS)}")
+    settings_class = PFedBreDSettings
+    settings: PFedBreDSettings
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         lam, alpha_m = self.config.lam, self.config.lr
@@ -80,7 +95,7 @@ class PFedBreD(PFedMe):
         local = detached(theta)
         memory = self.store.get(client.client_id, MEMORY_KEY) or global_state  # w_{i,R}^{(t-1)}
         assign(theta, self.personalized(client.client_id, global_state))  # theta_{i,0} <- theta_{i,R}^{(t-1)}
-        per_step = 2 if self.config.prior == CODE_PRIOR else 1
+        per_step = 2 if self.settings.prior == CODE_PRIOR else 1
         stream = self.minibatches(client, seed, per_step)
         losses = []
         for batches in zip(*[stream] * per_step, strict=True):  # local step r: consecutive minibatches
@@ -97,9 +112,9 @@ class PFedBreD(PFedMe):
     def prior_mean(self, local: Tensors, memory: AdapterState, batches: Sequence[Batch]) -> Tensors:
         """mu_r = w_{r-1} - eta * grad Phi_i(w_{r-1}) (Eq. 14) from w_{r-1} = `local`, with theta_{r-1} loaded in
         the model, which holds theta_{r-1} again afterwards; mh-code: `look_ahead_prior_mean`."""
-        if self.config.prior == CODE_PRIOR:
+        if self.settings.prior == CODE_PRIOR:
             return self.look_ahead_prior_mean(local, memory, *batches)
-        prior, (images, labels) = self.config.prior, batches[0]
+        prior, (images, labels) = self.settings.prior, batches[0]
         theta = self.trainer.model.trainable_parameters()
         previous = detached(theta)  # theta_{r-1}
         mu = detached(local)
@@ -108,17 +123,17 @@ class PFedBreD(PFedMe):
             _, grads = self.gradient(images, labels)
             assign(theta, previous)
             for name in mu:
-                mu[name].sub_(self.config.prior_lr * grads[name])
+                mu[name].sub_(self.settings.prior_lr * grads[name])
         if prior in ("meg", "mh"):  # - eta * (w_{i,R}^{(t-1)} - theta_{r-1})
             for name in mu:
-                mu[name].sub_(self.config.prior_eta * (memory[name] - previous[name]))
+                mu[name].sub_(self.settings.prior_eta * (memory[name] - previous[name]))
         return mu
 
     def look_ahead_prior_mean(self, local: Tensors, memory: AdapterState, first: Batch, second: Batch) -> Tensors:
         """The authors' code's mh: w_{r-1} = `local` steps (in place) by -eta_a * grad f_i at the look-ahead point
         w_{r-1} - eta_a * grad f_i(w_{r-1}; first), taken on `second`; mu_r = w_{r-1} - eta * (w_{i,R}^{(t-1)} -
         theta_{r-1}). The model is left holding the stepped w_{r-1}, where the inner problem starts."""
-        eta_a = self.config.prior_lr
+        eta_a = self.settings.prior_lr
         theta = self.trainer.model.trainable_parameters()
         previous = detached(theta)  # theta_{r-1}
         assign(theta, local)
@@ -128,4 +143,4 @@ class PFedBreD(PFedMe):
         for name in local:
             local[name].sub_(eta_a * look_ahead[name])
         assign(theta, local)
-        return {name: local[name] - self.config.prior_eta * (memory[name] - previous[name]) for name in local}
+        return {name: local[name] - self.settings.prior_eta * (memory[name] - previous[name]) for name in local}

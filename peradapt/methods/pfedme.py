@@ -33,19 +33,34 @@ Conventions of this implementation:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.compute.trainer import LocalTrainer
 from peradapt.data import ClientData
-from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, register
+from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, ServerStepSettings, register
 from peradapt.seeds import LOCAL, derive_seed
+from peradapt.settings import setting
 
 AM_BETA = 2.0  # pFedBreD, Appendix C.4: "beta = 2 for methods ... employing AM"
 
 Tensors = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class PFedMeSettings(ServerStepSettings):
+    """pFedMe's and pFedBreD's own settings (with the server step β)."""
+
+    inner_steps: int = setting(
+        3,  # as PerAda's appendix uses
+        help="pFedMe/pFedBreD inner steps K.",
+        minimum=1,
+        symbol="K",
+    )
+    am: bool = setting(False, help="pFedMe/pFedBreD aggregate momentum: server step β = 2, overriding --beta.")
 
 
 @register
@@ -56,6 +71,8 @@ class PFedMe(Method):
     default_aggregation = "uniform"  # Algorithm 1: (1/S) sum_i w_i
     uses_proximal = True
     trains_all_clients = True  # Algorithm 1: "for all i = 1..N"; the server samples S^t afterwards
+    settings_class = PFedMeSettings
+    settings: PFedMeSettings
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         lam, eta = self.config.lam, self.config.lr
@@ -88,7 +105,7 @@ class PFedMe(Method):
         lam, lr = self.config.lam, self.config.personal_lr or self.config.lr
         theta = self.trainer.model.trainable_parameters()
         losses = []
-        for _ in range(self.config.inner_steps):
+        for _ in range(self.settings.inner_steps):
             loss, grads = self.gradient(images, labels)
             with torch.no_grad():
                 for name, parameter in theta.items():
@@ -110,7 +127,7 @@ class PFedMe(Method):
 
     @property
     def beta(self) -> float:
-        return AM_BETA if self.config.am else self.config.beta
+        return AM_BETA if self.settings.am else self.settings.beta
 
     def server_update(
         self,

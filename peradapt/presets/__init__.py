@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
-from peradapt.config import TrainConfig
+from peradapt.config import find_setting
 from peradapt.errors import ConfigError
+from peradapt.settings import Setting
 
 PRESETS = ("perada-cifar10", "perada-office-home", "perada-chexpert")
 
@@ -31,9 +32,13 @@ def preset_settings(name: str) -> dict[str, Any]:
     return dict(read_preset(name)["settings"])
 
 
-def preset_rows(name: str) -> list[tuple[str, Any, Any, str]]:
-    """(setting, preset value, peradapt's default, note) for every setting of preset `name`."""
+def preset_rows(name: str) -> list[tuple[Setting, Any, str]]:
+    """(the setting's declaration, its preset value, the note why) for every setting of preset `name`."""
     record = read_preset(name)
-    defaults = TrainConfig().to_flat()
     notes = record.get("notes", {})
-    return [(key, value, defaults.get(key), notes.get(key, "")) for key, value in record["settings"].items()]
+    rows = []
+    for key, value in record["settings"].items():
+        declared = find_setting(key)
+        assert declared is not None, f"preset {name} sets {key}, which no setting has"  # tests load every preset
+        rows.append((declared, value, notes.get(key, "")))
+    return rows

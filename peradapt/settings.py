@@ -1,0 +1,271 @@
+"""Settings declared once: a dataclass field made by `setting(...)` carries everything peradapt says about it.
+
+A setting's flat key is its field name (the flag is `--the-name-with-dashes`, the config-file key the name with
+either), its type the field's annotation (bool, int, float or str, optionally `| None`), its default the field's.
+`setting()` adds the rest in the field's metadata: the help text, the help panel (`group`), inclusive or exclusive
+bounds or a list of choices, why a bound is where it is, a metavar, what a `None` default means, and the paper's
+symbol. From that one declaration come the `train` command's flags and their help panels (`peradapt.cli`), the keys
+of config files and of a run's config.json and their checks (`peradapt.config`), `peradapt info --preset`,
+`peradapt methods` and the table in docs/SETTINGS.md.
+
+Why dataclasses and click (through Typer) rather than pydantic: the configs already are dataclasses that library
+code reads as plain attributes (`config.method.lam`), and `field(metadata=...)` is the standard library's place for
+what a field means; a method's settings are one more small dataclass in the method's own file. Validation here is a
+handful of kinds (a finite float32 number, bounds, choices, a setting's own check), each with one message; pydantic
+would add a dependency and its own error wording, which the one-line `error: --flag ...` messages would have to
+translate back. Click, under Typer's rich help, takes options built at run time, so the flags are generated from the
+declarations of whatever methods are registered when the command is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from peradapt.errors import ConfigError
+
+# Settings reach torch as float32, which holds no larger magnitude (torch refuses to convert one).
+FLOAT32_MAX = 3.4028234663852886e38
+TYPES = ("bool", "int", "float", "str")
+_METADATA_KEY = "peradapt.setting"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as declared (`setting`), with the name, type and default of its field."""
+
+    help: str  # may hold `{choices}`: the choices at the time the text is shown (e.g. the registered methods)
+    group: str | None  # the help panel; None for a method's settings, shown under the methods that take them
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
+    choices: Collection[Any] = ()  # may be a live collection, e.g. the method registry's keys
+    why: str = ""  # said after a refused value: what a value outside the bounds would break
+    metavar: str | None = None
+    shown_default: str | None = None  # the default as help shows it; for a None default, what None means
+    symbol: str = ""  # the paper's symbol (α, λ, K, ...)
+    flag: bool = True  # False: a config key without a flag of its own (lam_auto, set by `--lam auto`)
+    repeatable: bool = False  # the flag may be given several times; a list is joined with commas
+    auto: str | None = None  # the value may be the word `auto`, which sets this bool setting instead
+    check: Callable[[Any], None] | None = None  # a rule of this setting's own that bounds/choices cannot say
+    name: str = ""
+    type: str = ""  # "int", "float | None", ...
+    default: Any = None
+
+    @property
+    def flag_name(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def base_type(self) -> str:
+        return self.type.removesuffix(" | None")
+
+    @property
+    def optional(self) -> bool:
+        return self.type.endswith(" | None")
+
+    def help_text(self) -> str:
+        """The help with `{choices}` filled in from the choices as they are now."""
+        return self.help.replace("{choices}", " | ".join(map(str, self.choices)))
+
+    def default_text(self) -> str:
+        """The default in words: what the declaration says it is, `on`/`off` for a switch, else the value."""
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.base_type == "bool":
+            return "on" if self.default else "off"
+        return "none" if self.default is None else str(self.default)
+
+    def requirement(self) -> str:
+        """What the bounds ask, as an error says it: "be at least 1", "not be negative", "be in [0, 1)"."""
+        low, high = self.minimum, self.maximum
+        if low is not None and high is not None:
+            if self.base_type == "int":  # a range of whole numbers, both ends included
+                return f"be between {_number(low)} and {_number(high)}"
+            left, right = "(" if self.exclusive_minimum else "[", ")" if self.exclusive_maximum else "]"
+            return f"be in {left}{_number(low)}, {_number(high)}{right}"
+        if low is not None:
+            if self.exclusive_minimum:
+                return "be positive" if low == 0 else f"be more than {_number(low)}"
+            return "not be negative" if low == 0 else f"be at least {_number(low)}"
+        if high is not None:
+            return f"be less than {_number(high)}" if self.exclusive_maximum else f"be at most {_number(high)}"
+        return ""
+
+    def allowed(self) -> str:
+        """The values it takes, as a table shows them: "≥ 1", "> 0", "[0, 1)", "eval, train"."""
+        if self.choices:
+            return ", ".join(map(str, self.choices))
+        low, high = self.minimum, self.maximum
+        if low is not None and high is not None:
+            left, right = "(" if self.exclusive_minimum else "[", ")" if self.exclusive_maximum else "]"
+            return f"{left}{_number(low)}, {_number(high)}{right}"
+        if low is not None:
+            return f"{'>' if self.exclusive_minimum else '≥'} {_number(low)}"
+        if high is not None:
+            return f"{'<' if self.exclusive_maximum else '≤'} {_number(high)}"
+        return ""
+
+    def validate(self, value: Any) -> None:
+        """Refuse `value` (of the setting's type, or None) in one line naming the flag: a float that torch cannot
+        hold, a value out of bounds or not among the choices, or one the setting's own `check` refuses."""
+        if value is None:
+            return
+        flag = self.flag_name
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise ConfigError(
+                f"{flag} must be a finite number no larger than {FLOAT32_MAX:.4g} in size (training computes in "
+                f"float32), got {value}"
+            )
+        if self.minimum is not None or self.maximum is not None:
+            low_ok = self.minimum is None or (value > self.minimum if self.exclusive_minimum else value >= self.minimum)
+            high_ok = self.maximum is None or (
+                value < self.maximum if self.exclusive_maximum else value <= self.maximum
+            )
+            if not (low_ok and high_ok):
+                why = f": {self.why}" if self.why else ""
+                raise ConfigError(f"{flag} must {self.requirement()}, got {value}{why}")
+        if self.choices and value not in self.choices:
+            allowed = [str(choice) for choice in self.choices]
+            if self.base_type == "str":
+                raise ConfigError(f"unknown {flag} '{value}': use {', '.join(allowed)}")
+            raise ConfigError(f"{flag} must be {' or '.join(allowed)}, got {value}")
+        if self.check is not None:
+            self.check(value)
+
+    def coerce(self, value: Any) -> Any:
+        """`value` as read from a flag or a YAML/JSON file, turned into the setting's type."""
+        key = self.name
+        if value is None:
+            if not self.optional:
+                raise ConfigError(f"setting '{key}' may not be empty")
+            return None
+        if self.repeatable and isinstance(value, (list, tuple)):  # `--log a --log b`, or a list in a config file
+            value = ",".join(map(str, value))
+        base = self.base_type
+        try:
+            if base == "bool":
+                if isinstance(value, str):
+                    return value.lower() in ("1", "true", "yes", "on")
+                return bool(value)
+            if base == "int":
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError
+                return int(value)
+            if base == "float":
+                return float(value)
+            return str(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"setting '{key}' must be {base}, got {value!r}") from None
+
+    def is_json_type(self, value: Any) -> bool:
+        """Whether `value`, read from JSON, is of this setting's type as config.json holds it (a float setting takes
+        a whole number too; bools are no numbers)."""
+        if value is None:
+            return self.optional
+        base = self.base_type
+        if base == "bool" or isinstance(value, bool):
+            return base == "bool" and isinstance(value, bool)
+        kinds = {"int": int, "float": (int, float), "str": str}
+        return isinstance(value, kinds[base])
+
+
+@dataclass
+class NoSettings:
+    """The settings of a method that has none of its own."""
+
+
+def setting(
+    default: Any,
+    *,
+    help: str,
+    group: str | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    choices: Collection[Any] = (),
+    why: str = "",
+    metavar: str | None = None,
+    shown_default: str | None = None,
+    symbol: str = "",
+    flag: bool = True,
+    repeatable: bool = False,
+    auto: str | None = None,
+    check: Callable[[Any], None] | None = None,
+) -> Any:
+    """A dataclass field that declares a setting (see `Setting` for what each argument means)."""
+    declaration = Setting(
+        help=help,
+        group=group,
+        minimum=minimum,
+        maximum=maximum,
+        exclusive_minimum=exclusive_minimum,
+        exclusive_maximum=exclusive_maximum,
+        choices=choices,
+        why=why,
+        metavar=metavar,
+        shown_default=shown_default,
+        symbol=symbol,
+        flag=flag,
+        repeatable=repeatable,
+        auto=auto,
+        check=check,
+    )
+    return dataclasses.field(default=default, metadata={_METADATA_KEY: declaration})
+
+
+def declared_settings(cls: type) -> list[Setting]:
+    """The settings a dataclass (or an instance's class) declares, inherited ones first, in field order."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for field in dataclasses.fields(cls):
+        declaration = field.metadata.get(_METADATA_KEY)
+        if declaration is None:
+            continue
+        kind = _type_name(hints[field.name])
+        if kind.removesuffix(" | None") not in TYPES:
+            raise TypeError(f"setting {cls.__name__}.{field.name}: type {kind} is not one of {', '.join(TYPES)}")
+        found.append(dataclasses.replace(declaration, name=field.name, type=kind, default=field.default))
+    return found
+
+
+def validate_settings(instance: Any) -> None:
+    """Check every declared setting of a settings dataclass instance (bounds, choices, its own check)."""
+    for declared in declared_settings(type(instance)):
+        declared.validate(getattr(instance, declared.name))
+
+
+def markdown_table(rows: Iterable[tuple[Setting, str]]) -> str:
+    """A Markdown table of settings with the help panel each is shown in: flag, type, default, values taken, panel,
+    help, symbol."""
+    lines = ["| flag | type | default | values | panel | help | symbol |", "|---|---|---|---|---|---|---|"]
+    for d, panel in rows:
+        cells = [f"`{d.flag_name}`" if d.flag else f"(`{d.name}`, no flag)"]
+        cells += [d.type, d.default_text(), d.allowed(), panel, d.help_text(), d.symbol]
+        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Text in a Markdown table cell: no column breaks, and `<class>` shown, not read as HTML."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _type_name(hint: Any) -> str:
+    """`int`, `float | None`, ... for an annotation (`Optional[int]` and `int | None` alike)."""
+    arguments = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in arguments:
+        others = [argument for argument in arguments if argument is not type(None)]
+        return " | ".join(_type_name(other) for other in others) + " | None"
+    return getattr(hint, "__name__", str(hint))
