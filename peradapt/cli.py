@@ -183,7 +183,8 @@ def compare(
 ) -> None:
     """Run several methods on the same partitions and seeds and print a Table-1-style comparison.
 
-    Any `peradapt train` flag (--data, --clients, --rounds, --limit-samples, ...) after these applies to every run.
+    Any `peradapt train` flag (--data, --clients, --rounds, --limit-samples, ...) after these applies to every run;
+    a method's own setting (--feddyn-alpha, ...) to the runs of the methods that take it.
     """
     from peradapt.comparison import rich_table
 
