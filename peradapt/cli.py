@@ -382,7 +382,7 @@ def _print_preset(name: str) -> None:
 
     record = read_preset(name)
     table = Table(title=f"preset {name}: `peradapt train --preset {name}` (flags win)")
-    for column in ("setting", "preset", "peradapt default", "why", "the setting"):
+    for column in ("setting", "preset", "peradapt default", "why", "what it is"):
         table.add_column(column, overflow="fold")
     for declared, value, note in preset_rows(name):
         flag = f"{declared.flag_name} ({declared.symbol})" if declared.symbol else declared.flag_name

@@ -20,6 +20,7 @@ declarations of whatever methods are registered when the command is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -53,7 +54,7 @@ class Setting:
     flag: bool = True  # False: a config key without a flag of its own (lam_auto, set by `--lam auto`)
     repeatable: bool = False  # the flag may be given several times; a list is joined with commas
     auto: str | None = None  # the value may be the word `auto`, which sets this bool setting instead
-    check: Callable[[Any], None] | None = None  # a rule of this setting's own that bounds/choices cannot say
+    check: Callable[[Any], object] | None = None  # a rule of this setting's own that bounds/choices cannot say
     name: str = ""
     type: str = ""  # "int", "float | None", ...
     default: Any = None
@@ -198,7 +199,7 @@ def setting(
     flag: bool = True,
     repeatable: bool = False,
     auto: str | None = None,
-    check: Callable[[Any], None] | None = None,
+    check: Callable[[Any], object] | None = None,
 ) -> Any:
     """A dataclass field that declares a setting (see `Setting` for what each argument means)."""
     declaration = Setting(
@@ -221,8 +222,9 @@ def setting(
     return dataclasses.field(default=default, metadata={_METADATA_KEY: declaration})
 
 
-def declared_settings(cls: type) -> list[Setting]:
-    """The settings a dataclass (or an instance's class) declares, inherited ones first, in field order."""
+@functools.cache  # a class's fields do not change; flags, config files and checks ask often
+def declared_settings(cls: type) -> tuple[Setting, ...]:
+    """The settings a dataclass declares, inherited ones first, in field order."""
     hints = typing.get_type_hints(cls)
     found = []
     for field in dataclasses.fields(cls):
@@ -233,7 +235,7 @@ def declared_settings(cls: type) -> list[Setting]:
         if kind.removesuffix(" | None") not in TYPES:
             raise TypeError(f"setting {cls.__name__}.{field.name}: type {kind} is not one of {', '.join(TYPES)}")
         found.append(dataclasses.replace(declaration, name=field.name, type=kind, default=field.default))
-    return found
+    return tuple(found)
 
 
 def validate_settings(instance: Any) -> None:
