@@ -15,13 +15,14 @@ from torch.testing import assert_close
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.compute.trainer import InputPipeline, LocalTrainer, SGDJob
+from peradapt.compute.trainer import InputPipeline, LocalTrainer, ParameterGroup, SGDJob
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.engine import LocalClients
 from peradapt.methods import METHODS
 from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
+from peradapt.methods.partial import personal_keys
 from peradapt.seeds import SERVER, derive_seed
 
 from .conftest import TINY_BACKBONE, TINY_VIT
@@ -50,10 +51,12 @@ CONCURRENT = {
 }
 
 
-def trainer(backbone: str = TINY_BACKBONE, kind: str = "residual", dropout: float = 0.0) -> LocalTrainer:
+def trainer(
+    backbone: str = TINY_BACKBONE, kind: str = "residual", dropout: float = 0.0, scope: str = "adapter"
+) -> LocalTrainer:
     torch.manual_seed(0)
     model = inject_adapters(
-        freeze(create_backbone(backbone, num_classes=3, in_chans=1)), kind, dropout=dropout, lora_rank=2
+        freeze(create_backbone(backbone, num_classes=3, in_chans=1)), kind, dropout=dropout, lora_rank=2, scope=scope
     )
     return LocalTrainer(model, InputPipeline(mean=(0.5,), std=(0.5,), device=torch.device("cpu")), batch_size=8)
 
@@ -101,6 +104,78 @@ def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(
             assert_close(state[name], by_hand[name], **TOL, msg=name)
         assert loss == pytest.approx(sum(losses) / 3, rel=1e-5)
         assert any(not torch.equal(state[n], job.start[n]) for n in parameters)  # it trained
+
+
+def test_a_job_trains_its_groups_at_their_rates_and_leaves_the_rest_as_it_started():
+    """Jobs with parameter groups (SGDJob.groups) on the whole network: the head at one rate, the last stage at
+    another, the rest (the stem and the first stages, their BatchNorms included) frozen. Three full-batch steps of
+    v <- v - lr_v (grad L(v) + lam (v - w)) on the grouped parameters, computed here with autograd, each client alone
+    and all at once (a job without groups in the same call trains in a batched pass of its own); every key of no
+    group comes back exactly as it started, though the forward passes move its running statistics, and no gradient
+    is computed for its parameters."""
+    trainer_ = trainer(kind="none", scope="full")
+    model, module = trainer_.model, trainer_.model.module
+    head = tuple(personal_keys(model, "head"))
+    last_stage = tuple(key for key in model.state_names() if key.startswith("layer4."))
+    w = perturbed(trainer_, seed=9)
+    jobs = [
+        SGDJob(
+            perturbed(trainer_, seed=1),
+            images(8, seed=1),
+            epochs=3,
+            lr=0.1,
+            seed=11,
+            anchor=w,
+            lam=0.5,
+            groups=(ParameterGroup(head, 0.3), ParameterGroup(last_stage, 0.05)),
+        ),
+        SGDJob(
+            perturbed(trainer_, seed=2),
+            images(6, seed=2),
+            epochs=3,
+            lr=0.1,
+            seed=12,
+            groups=(ParameterGroup(head, 0.02), ParameterGroup(last_stage, 0.2)),
+        ),
+        SGDJob(perturbed(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.05, seed=13),
+    ]
+    frozen = [name for name in model.trainable_parameters() if name not in head + last_stage]
+    alone = [trainer_.run(job) for job in jobs[:2]]
+    assert all(model.trainable_parameters()[name].grad is None for name in frozen)  # none was ever computed
+    assert all(parameter.requires_grad for parameter in model.trainable_parameters().values())
+    together = ConcurrentSGD(trainer_).run(jobs)
+
+    for index, job in enumerate(jobs):
+        model.load_state(job.start)
+        model.train()
+        parameters = model.trainable_parameters()
+        groups = job.groups or (ParameterGroup(tuple(model.state_names()), job.lr),)  # no groups: all of it
+        rates = {key: group.lr for group in groups for key in group.keys if key in parameters}
+        x = (job.data.images.float() / 255 - 0.5) / 0.5
+        losses = []
+        for _ in range(3):
+            step_loss = torch.nn.functional.cross_entropy(module(x), job.data.labels)  # every BN's statistics move
+            gradients = torch.autograd.grad(step_loss, [parameters[name] for name in rates])
+            with torch.no_grad():
+                for (name, lr), g in zip(rates.items(), gradients, strict=True):
+                    v = parameters[name]
+                    pull = job.lam * (v - job.anchor[name]) if job.anchor is not None else 0.0
+                    v -= lr * (g + pull)
+            losses.append(step_loss.item())
+        by_hand = model.state()
+        trained = {key for group in groups for key in group.keys}
+        results = [together[index]] + ([alone[index]] if index < len(alone) else [])
+        for state, loss in results:
+            assert state.keys() == by_hand.keys()
+            for name, tensor in by_hand.items():
+                if name in trained:
+                    assert_close(state[name], tensor, **TOL, msg=name)
+                else:
+                    assert torch.equal(state[name], job.start[name]), name
+            assert loss == pytest.approx(sum(losses) / 3, rel=1e-5)
+        assert all(not torch.equal(by_hand[name], job.start[name]) for name in trained)  # every group trained
+        if job.groups is not None:  # the frozen stem's statistics moved by hand: the job restored them
+            assert not torch.equal(by_hand["bn1.running_mean"], job.start["bn1.running_mean"])
 
 
 # ---------------------------------------------------------------- equal to one after another

@@ -1,18 +1,22 @@
 """Several clients' local SGD at once on the one shared model (`--concurrent-clients`).
 
-`LocalTrainer.sgd` trains one client at a time: on a GPU, a step of a small model at 32 px is a few hundred tiny
+`LocalTrainer.run` trains one client at a time: on a GPU, a step of a small model at 32 px is a few hundred tiny
 kernel launches, and the device waits on them. Here the jobs of K clients step together. Their adapter states
 (parameters and trainable BatchNorms' running statistics) are stacked on a leading axis, and one call of
 `torch.func.vmap` over `torch.func.grad` of one client's loss, through `torch.func.functional_call` on the shared
 frozen model, gives all K gradients: each frozen layer runs once on the K batches, each client's layer once as a
 batched kernel (a grouped product, a BatchNorm over K×C channels). Nothing of the backbone is copied.
 
-Each client's numbers are those of `LocalTrainer.sgd` run alone, as the paper's update rule says (PerAda
+Each client's numbers are those of `LocalTrainer.run` run alone, as the paper's update rule says (PerAda
 Algorithm 1, lines 10 and 15): the same minibatches from the job's own generator, the same dropout masks, and per
-step g = grad L(v) (+ lam (v - w) with an anchor), then v <- v - lr g. Dropout is the one random draw inside the
+step g = grad L(v) (+ lam (v - w) with an anchor), then v <- v - lr g, each parameter at its group's rate
+(`SGDJob.groups`: a partial model's parts at their own rates). Parameters of no group are held fixed, no gradient
+computed for them, and every key of no group comes back as it started (its BatchNorms' running statistics, which
+the forward passes move, restored). Jobs that train other parameters (partial models in another phase) step in a
+batched pass of their own. Dropout is the one random draw inside the
 model; `vmap` cannot split the global generator by client, so each client's masks are drawn before the step from
-a generator seeded as `LocalTrainer.sgd` seeds the global one, in the order and layout the model's forward pass
-draws them (recorded once per input shape). On CPU that reproduces `sgd`'s masks exactly, and the results agree
+a generator seeded as `LocalTrainer.run` seeds the global one, in the order and layout the model's forward pass
+draws them (recorded once per input shape). On CPU that reproduces `run`'s masks exactly, and the results agree
 with one-after-another training to float rounding (batched kernels sum in another order). On a GPU, `nn.Dropout`
 draws inside a fused kernel that cannot be replayed, so the masks are other (equally distributed) draws: one
 draw per dropout call for the whole group, from a generator seeded by the group's jobs, so that runs (and resumed
@@ -39,6 +43,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
 from peradapt.adapters.model import logits_of
+from peradapt.backbones.small_inputs import SmallInputConv2d
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, diverged, task_loss
 from peradapt.errors import ConfigError
 from peradapt.seeds import derive_seed
@@ -55,6 +60,21 @@ class _Lane:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     dropout: torch.Generator
     losses: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Together:
+    """Jobs that train the same parameters, stepping together: the lanes' states stacked on a leading axis."""
+
+    lanes: list[_Lane]
+    stacked: dict[str, torch.Tensor]  # every state key
+    trained: list[str]  # the parameters that train, in the model's order
+    fixed: list[str]  # the other keys: buffers (running statistics: updated in place) and frozen parameters
+    # The trained parameters by their rates in the lanes, as factors -lr (one per lane): v <- v - lr g.
+    rates: list[tuple[list[float], list[str]]]
+    anchors: dict[str, torch.Tensor] | None  # of the trained parameters; None: no lane is pulled
+    lams: list[float]
+    generator: torch.Generator  # off CPU, the group's dropout masks (see _masks)
 
 
 def unsupported_layers(module: nn.Module) -> list[str]:
@@ -77,10 +97,10 @@ class ConcurrentSGD:
         self.module = trainer.model.module
         self.parameter_names = list(self.model.trainable_parameters())
         self.state_names = self.model.state_names()
-        self.buffer_names = [name for name in self.state_names if name not in set(self.parameter_names)]
         self.dropouts = {name: m for name, m in self.module.named_modules() if isinstance(m, nn.Dropout)}
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
+        self.small_convs = {f"{n}.weight": m for n, m in self.module.named_modules() if isinstance(m, SmallInputConv2d)}
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
@@ -111,16 +131,30 @@ class ConcurrentSGD:
         return [finished[index] for index in range(len(steps))]
 
     def run(self, jobs: Sequence[SGDJob]) -> list[SGDResult]:
-        """The result of `LocalTrainer.sgd` for each job, in their order."""
+        """The result of `LocalTrainer.run` for each job, in their order: the jobs that train the same parameters
+        together (`_run_together`)."""
+        alike: dict[tuple[str, ...], list[int]] = {}
+        for index, job in enumerate(jobs):
+            alike.setdefault(tuple(job.rates(self.parameter_names)), []).append(index)
+        results: dict[int, SGDResult] = {}
+        for indices in alike.values():
+            results.update(zip(indices, self._run_together([jobs[i] for i in indices]), strict=True))
+        return [results[index] for index in range(len(jobs))]
+
+    def _run_together(self, jobs: list[SGDJob]) -> list[SGDResult]:
+        """`run` of jobs that all train the same parameters."""
         device = self.model.device
+        trained = list(jobs[0].rates(self.parameter_names))
         stacked = {name: torch.stack([job.start[name] for job in jobs]).to(device) for name in self.state_names}
         anchored = [job.anchor is not None and job.lam > 0 for job in jobs]
         anchors = None
         if any(anchored):  # a job without a pull gets lam 0 and its own start as anchor: it adds exactly 0
             sources = [job.anchor if pulled else job.start for job, pulled in zip(jobs, anchored, strict=True)]
-            anchors = {n: torch.stack([s[n] for s in sources]).to(device) for n in self.parameter_names}  # type: ignore[index]
-        lrs = [job.lr for job in jobs]
-        lams = [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)]
+            anchors = {n: torch.stack([s[n] for s in sources]).to(device) for n in trained}  # type: ignore[index]
+        lane_rates = [job.rates(trained) for job in jobs]
+        rates: dict[tuple[float, ...], list[str]] = {}
+        for name in trained:
+            rates.setdefault(tuple(-lane[name] for lane in lane_rates), []).append(name)
         lanes = [
             _Lane(
                 job,
@@ -129,7 +163,16 @@ class ConcurrentSGD:
             )
             for job in jobs
         ]
-        generator = torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs)))  # see _masks
+        together = _Together(
+            lanes,
+            stacked,
+            trained,
+            [name for name in self.state_names if name not in set(trained)],
+            [(list(factors), names) for factors, names in rates.items()],
+            anchors,
+            [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)],
+            torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs))),  # see _masks
+        )
         self.model.train()
         while True:
             batches = {}
@@ -143,31 +186,22 @@ class ConcurrentSGD:
             for index, (images, _) in batches.items():
                 shapes.setdefault(tuple(images.shape), []).append(index)
             for group in shapes.values():
-                self._step(group, [batches[i] for i in group], lanes, stacked, anchors, lrs, lams, generator)
+                self._step(together, group, [batches[i] for i in group])
         return [self._result(lane, {n: t[i] for n, t in stacked.items()}) for i, lane in enumerate(lanes)]
 
-    def _step(
-        self,
-        group: list[int],
-        batches: list[tuple[torch.Tensor, torch.Tensor]],
-        lanes: list[_Lane],
-        stacked: dict[str, torch.Tensor],
-        anchors: dict[str, torch.Tensor] | None,
-        lrs: list[float],
-        lams: list[float],
-        generator: torch.Generator,
-    ) -> None:
+    def _step(self, together: _Together, group: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One SGD step of the lanes `group` (indices into the stacks), each on its own batch."""
+        lanes, stacked, anchors = together.lanes, together.stacked, together.anchors
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
         images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
-        masks = self._masks(images[0], [lanes[i] for i in group], generator)
-        parameters = {name: part[name] for name in self.parameter_names}
-        buffers = {name: part[name] for name in self.buffer_names}  # running statistics: updated in place
+        masks = self._masks(images[0], [lanes[i] for i in group], together.generator)
+        parameters = {name: part[name] for name in together.trained}
+        fixed = {name: part[name] for name in together.fixed}
         try:
-            gradients, losses = self._gradients(parameters, buffers, masks, images, labels)
+            gradients, losses = self._gradients(parameters, fixed, masks, images, labels)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
@@ -175,15 +209,16 @@ class ConcurrentSGD:
                 "--concurrent-clients: the model draws random numbers outside its nn.Dropout layers (e.g. drop-path "
                 "or attention dropout), which cannot be drawn per client: train without --concurrent-clients"
             ) from None
-        values = list(parameters.values())
-        steps = [gradients[name] for name in self.parameter_names]
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
+                values, steps = list(parameters.values()), [gradients[name] for name in parameters]
                 pulls = torch._foreach_sub(
                     values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
                 )
-                _add_scaled_(steps, pulls, [lams[i] for i in group])
-            _add_scaled_(values, steps, [-lrs[i] for i in group])  # v <- v - lr g
+                _add_scaled_(steps, pulls, [together.lams[i] for i in group])
+            for factors, names in together.rates:  # v <- v - lr g
+                targets, addends = [parameters[n] for n in names], [gradients[n] for n in names]
+                _add_scaled_(targets, addends, [factors[i] for i in group])
             if index is not None:
                 for name, tensor in part.items():
                     stacked[name][index] = tensor
@@ -193,25 +228,33 @@ class ConcurrentSGD:
     def _client_loss(
         self,
         parameters: dict[str, torch.Tensor],
-        buffers: dict[str, torch.Tensor],
+        fixed: dict[str, torch.Tensor],
         masks: dict[str, list[torch.Tensor]],
         images: torch.Tensor,
         labels: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients)."""
-        with self._batched_forwards(masks), self.trainer.inputs.autocast():
-            loss = task_loss(logits_of(functional_call(self.module, {**parameters, **buffers}, (images,))), labels)
+        """One client's mean training loss on its batch, as `LocalTrainer.loss` computes it (vmapped over clients),
+        differentiated by `grad` in the trained `parameters` only."""
+        with self._batched_forwards(masks, fixed), self.trainer.inputs.autocast():
+            loss = task_loss(logits_of(functional_call(self.module, {**parameters, **fixed}, (images,))), labels)
         return loss, loss.detach()
 
     @contextlib.contextmanager
-    def _batched_forwards(self, masks: dict[str, list[torch.Tensor]]) -> Iterator[None]:
+    def _batched_forwards(self, masks: dict[str, list[torch.Tensor]], fixed: dict[str, torch.Tensor]) -> Iterator[None]:
         """Inside `vmap`:
         - each training dropout multiplies by its client's masks, `masks[name]` one per call in call order (a
           dropout of rate 0 passes its input);
         - BatchNorms compute by their formula in float32 (`_batch_norm_by_formula`);
         - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
-          channels-last input cannot be asked of a batched tensor)."""
+          channels-last input cannot be asked of a batched tensor);
+        - convolutions whose weights are the clients' own but do not train (`fixed`: a partial model's frozen part)
+          run as convolutions: the dense matrix `SmallInputConv2d` makes of frozen weights is one weight's."""
         replaced: list[nn.Module] = []
+        for name in fixed:
+            conv = self.small_convs.get(name)
+            if conv is not None:
+                conv.forward = functools.partial(nn.Conv2d.forward, conv)  # type: ignore[method-assign]
+                replaced.append(conv)
         for name, dropout in self.dropouts.items():
             if dropout.training:
                 queue = collections.deque(masks.get(name, []))
@@ -236,7 +279,7 @@ class ConcurrentSGD:
         call of it in call order.
 
         On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
-        (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.sgd`'s masks, exactly. Elsewhere
+        (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.run`'s masks, exactly. Elsewhere
         `nn.Dropout` draws inside a fused kernel that cannot be replayed, so the whole group's masks of a call are
         one draw from `generator` (one kernel instead of one per client)."""
         calls = self._dropout_calls(example)
@@ -298,7 +341,8 @@ class ConcurrentSGD:
         bad = next((loss for loss in losses if not math.isfinite(loss)), None)
         if bad is not None:
             raise diverged(bad, lane.job.lr)
-        return {name: tensor.clone() for name, tensor in state.items()}, sum(losses) / max(len(losses), 1)
+        trained = lane.job.finished({name: tensor.clone() for name, tensor in state.items()})
+        return trained, sum(losses) / max(len(losses), 1)
 
 
 def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:

@@ -121,15 +121,13 @@ class PrivateTraining:
             return PoissonBatches(0, 1.0, 0)
         return PoissonBatches(num_samples, 1 / steps_per_epoch, epochs * steps_per_epoch if steps is None else steps)
 
-    def optimizer(
-        self, parameters: Iterable[nn.Parameter], *, lr: float, batches: PoissonBatches, seed: int
-    ) -> DPOptimizer:
-        """SGD wrapped by opacus' DPOptimizer: per-sample clipping to C, noise σC from a generator seeded by
-        `seed`, and the mean over the expected batch size (the loss it sees is summed over the batch)."""
-        parameters = list(parameters)
-        noise = torch.Generator(device=parameters[0].device).manual_seed(derive_seed(seed, NOISE))
+    def optimizer(self, groups: list[dict[str, Any]], *, lr: float, batches: PoissonBatches, seed: int) -> DPOptimizer:
+        """SGD on the parameter `groups` (`torch.optim`'s, each with its learning rate; `lr` by default) wrapped by
+        opacus' DPOptimizer: per-sample clipping to C over all of them, noise σC from a generator seeded by `seed`,
+        and the mean over the expected batch size (the loss it sees is summed over the batch)."""
+        noise = torch.Generator(device=groups[0]["params"][0].device).manual_seed(derive_seed(seed, NOISE))
         return _opacus().optimizers.DPOptimizer(
-            torch.optim.SGD(parameters, lr=lr),
+            torch.optim.SGD(groups, lr=lr),
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm,
             expected_batch_size=batches.expected_size,

@@ -7,12 +7,13 @@ Every random choice (minibatch order, dropout, augmentation) is drawn from a see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.compute.metrics import metric_value
@@ -61,10 +62,24 @@ class InputPipeline:
         return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class ParameterGroup:
+    """State keys that train at one learning rate: their parameters take SGD steps at `lr`, their buffers (BatchNorm
+    running statistics) follow the forward passes in training mode."""
+
+    keys: tuple[str, ...]
+    lr: float
+
+
 @dataclass
 class SGDJob:
-    """One run of `LocalTrainer.sgd`, as a value: methods whose client update is a few of these (`LocalSGDMethod`)
-    can have several clients' jobs trained together (`peradapt.compute.concurrent`)."""
+    """One run of local SGD (`LocalTrainer.run`), as a value: methods whose client update is a few of these
+    (`LocalSGDMethod`) can have several clients' jobs trained together (`peradapt.compute.concurrent`).
+
+    `groups` says what trains and at which rate; None: every trainable parameter at `lr`. A state key in no group
+    is frozen: it gets no gradient, and it comes back exactly as it is in `start` (the running statistics of its
+    BatchNorms too, which the forward passes move). `lr` is --lr either way, the rate a diverged run names.
+    """
 
     start: AdapterState
     data: ImageSet
@@ -74,6 +89,30 @@ class SGDJob:
     anchor: AdapterState | None = None
     lam: float = 0.0
     steps: int | None = None
+    groups: tuple[ParameterGroup, ...] | None = None
+
+    def rates(self, parameters: Iterable[str]) -> dict[str, float]:
+        """The learning rate of each of the named `parameters` that trains, in their order."""
+        if self.groups is None:
+            return dict.fromkeys(parameters, self.lr)
+        rate = {key: group.lr for group in self.groups for key in group.keys}
+        return {name: rate[name] for name in parameters if name in rate}
+
+    def finished(self, state: AdapterState) -> AdapterState:
+        """`state`, the model's after training, with every key of no group as it is in `start`."""
+        if self.groups is None:
+            return state
+        trained = {key for group in self.groups for key in group.keys}
+        return {key: tensor if key in trained else self.start[key] for key, tensor in state.items()}
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What local SGD minimizes on a minibatch: the sum of the loss terms `terms(images, labels)` gives, each
+    reported by its name in `names` as its mean over the steps."""
+
+    terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+    names: tuple[str, ...]
 
 
 SGDResult = tuple[AdapterState, float]  # the final state and the mean training loss
@@ -99,26 +138,43 @@ def diverged(loss: float, lr: float) -> TrainingDiverged:
     return TrainingDiverged(f"training loss became {loss}: lower --lr (now {lr})")
 
 
+def finite(loss: torch.Tensor, lr: float) -> torch.Tensor:
+    """`loss`, or the end of the run if it is no longer finite."""
+    if not torch.isfinite(loss):
+        raise diverged(loss.item(), lr)
+    return loss
+
+
+def rate_groups(parameters: dict[str, nn.Parameter], rates: dict[str, float]) -> list[dict[str, Any]]:
+    """`torch.optim` parameter groups of the named `parameters`, one per learning rate in `rates`."""
+    groups: dict[float, list[nn.Parameter]] = {}
+    for name, rate in rates.items():
+        groups.setdefault(rate, []).append(parameters[name])
+    return [{"params": group, "lr": rate} for rate, group in groups.items()]
+
+
 @dataclass
 class LocalTrainer:
     model: AdaptedModel
     inputs: InputPipeline
     batch_size: int
     eval_batch_size: int = 512
-    privacy: PrivateTraining | None = None  # --dp-noise: every `sgd` is DP-SGD, its steps charged to the client
+    privacy: PrivateTraining | None = None  # --dp-noise: every `run` is DP-SGD, its steps charged to the client
 
     def run(self, job: SGDJob) -> SGDResult:
-        """`sgd` as `job` describes it."""
-        return self.sgd(
-            job.start,
-            job.data,
-            epochs=job.epochs,
-            lr=job.lr,
-            seed=job.seed,
-            anchor=job.anchor,
-            lam=job.lam,
-            steps=job.steps,
-        )
+        """`job.epochs` passes of minibatch SGD on the loss (see `loss`) from `job.start`; with `job.steps`, that many
+        minibatch steps instead (`minibatches`).
+
+        Each step is v <- v - lr_v * (grad L(v) + lam * (v - w)) for every trained parameter v, lr_v its group's rate
+        (`SGDJob.groups`): with an `anchor` w the proximal update of PerAda Algorithm 1, line 10, without one plain SGD
+        (line 15); partial models train their parts at their own rates or one part alone. Returns the final state
+        and the mean training loss. With `privacy`, the gradient of L is DP-SGD's (see `private_sgd`).
+        """
+        if self.privacy is not None:
+            return self.private_sgd(job)
+        task = Objective(lambda images, labels: (self.unchecked_loss(images, labels),), ("loss",))
+        state, means = self.descend(job, task)
+        return state, means["loss"]
 
     def run_steps(self, steps: Generator[SGDJob, SGDResult, T]) -> T:
         """Drive a generator of SGD jobs (e.g. `LocalSGDMethod.client_steps`) to its end, one job after another."""
@@ -140,84 +196,88 @@ class LocalTrainer:
         anchor: AdapterState | None = None,
         lam: float = 0.0,
         steps: int | None = None,
-    ) -> tuple[AdapterState, float]:
-        """`epochs` passes of minibatch SGD on the loss (see `loss`) from `start`; with `steps`, that many minibatch
-        steps instead (`minibatches`).
+    ) -> SGDResult:
+        """`run` of the job these arguments describe: every trainable parameter at `lr`."""
+        return self.run(SGDJob(start, data, epochs=epochs, lr=lr, seed=seed, anchor=anchor, lam=lam, steps=steps))
 
-        With an `anchor` w, each step is the proximal update v <- v - lr * (grad L(v) + lam * (v - w))
-        (PerAda Algorithm 1, line 10). Returns the final state and the mean training loss. With `privacy`, the
-        gradient of L is DP-SGD's (see `private_sgd`).
-        """
+    def descend(self, job: SGDJob, objective: Objective) -> tuple[AdapterState, dict[str, float]]:
+        """The one loop of local SGD: `run`'s steps (see there) on the sum of `objective`'s terms; the state after
+        them and each term's mean. `run` descends the task loss; a method whose loss is another (FedRoD's two
+        risks) passes its own. Not DP-SGD: with `privacy`, `run` takes `private_sgd` instead."""
         if self.privacy is not None:
-            return self.private_sgd(start, data, epochs=epochs, lr=lr, seed=seed, anchor=anchor, lam=lam, steps=steps)
-        model = self.model
-        model.load_state(start)
-        model.train()
-        parameters = model.trainable_parameters()
-        values = list(parameters.values())
-        anchors = [anchor[name] for name in parameters] if anchor is not None and lam > 0 else None
-        # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
-        optimizer = torch.optim.SGD(values, lr=lr, foreach=True)
-        total_loss, batches = 0.0, 0
-        for images, labels in self.minibatches(data, epochs=epochs, seed=seed, steps=steps):
-            loss = self.loss(images, labels, lr)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if anchors is not None:
-                with torch.no_grad():
-                    gradients = [parameter.grad for parameter in values]
-                    torch._foreach_add_(gradients, torch._foreach_sub(values, anchors), alpha=lam)
-            optimizer.step()
-            total_loss += loss.item()
-            batches += 1
-        return model.state(), total_loss / max(batches, 1)
+            raise ValueError("DP-SGD clips the task loss's per-sample gradients only: train with `run`")
+        with self._training(job) as (parameters, rates):
+            values = list(parameters.values())
+            anchors = [job.anchor[name] for name in parameters] if job.anchor is not None and job.lam > 0 else None
+            # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
+            optimizer = torch.optim.SGD(rate_groups(parameters, rates), lr=job.lr, foreach=True)
+            totals, batches = [0.0] * len(objective.names), 0
+            for images, labels in self.minibatches(job.data, epochs=job.epochs, seed=job.seed, steps=job.steps):
+                terms = objective.terms(images, labels)
+                loss = finite(sum(terms[1:], terms[0]), job.lr)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if anchors is not None:
+                    with torch.no_grad():
+                        gradients = [parameter.grad for parameter in values]
+                        torch._foreach_add_(gradients, torch._foreach_sub(values, anchors), alpha=job.lam)
+                optimizer.step()
+                totals = [total + term.item() for total, term in zip(totals, terms, strict=True)]
+                batches += 1
+        means = {name: total / max(batches, 1) for name, total in zip(objective.names, totals, strict=True)}
+        return job.finished(self.model.state()), means
 
-    def private_sgd(
-        self,
-        start: AdapterState,
-        data: ImageSet,
-        *,
-        epochs: int,
-        lr: float,
-        seed: int,
-        anchor: AdapterState | None = None,
-        lam: float = 0.0,
-        steps: int | None = None,
-    ) -> tuple[AdapterState, float]:
-        """`sgd` as DP-SGD (`peradapt.compute.privacy`): Poisson-sampled batches, each sample's gradient clipped
+    def private_sgd(self, job: SGDJob) -> SGDResult:
+        """`run` as DP-SGD (`peradapt.compute.privacy`): Poisson-sampled batches, each sample's gradient clipped
         to C, Gaussian noise of std σC, the mean over the expected batch size; then the proximal pull
         lam * (v - w), a function of parameters only, taken as it is. Returns the final state and the mean loss
         per sample. With `steps`, that many Poisson batches."""
-        privacy = self.privacy
+        privacy, data, anchor, lam = self.privacy, job.data, job.anchor, job.lam
         assert privacy is not None and data.labels is not None
-        model = self.model
-        model.load_state(start)
-        model.train()
-        parameters = model.trainable_parameters()
-        generator = seeded_generator(seed)  # Poisson draws, augmentation and dropout; the noise has its own
-        batches = privacy.batches(len(data), self.batch_size, epochs, steps)
-        optimizer = privacy.optimizer(parameters.values(), lr=lr, batches=batches, seed=seed)
-        total_loss, samples = 0.0, 0
-        with privacy.per_sample_gradients(model.module):
-            for batch in batches.draw(generator):
-                optimizer.zero_grad(set_to_none=True)
-                if len(batch):
-                    images = self.inputs(data.images[batch], generator)
-                    labels = data.labels[batch].to(self.inputs.device, non_blocking=True)
-                    loss = self.loss(images, labels, lr, reduction="sum")  # per-sample gradients are the samples' own
-                    loss.backward()
-                    total_loss, samples = total_loss + loss.item(), samples + len(batch)
-                else:
-                    privacy.no_samples(parameters.values())
-                with torch.no_grad():
-                    proximal = anchor is not None and lam > 0
-                    pull = {n: lam * (p - anchor[n]) for n, p in parameters.items()} if proximal else {}
-                    optimizer.step()
-                    for name, step in pull.items():
-                        parameters[name].sub_(step, alpha=lr)
-            optimizer.zero_grad(set_to_none=True)  # the last step's clipped sum is not left on the shared model
+        with self._training(job) as (parameters, rates):
+            generator = seeded_generator(job.seed)  # Poisson draws, augmentation and dropout; the noise has its own
+            batches = privacy.batches(len(data), self.batch_size, job.epochs, job.steps)
+            optimizer = privacy.optimizer(rate_groups(parameters, rates), lr=job.lr, batches=batches, seed=job.seed)
+            total_loss, samples = 0.0, 0
+            with privacy.per_sample_gradients(self.model.module):
+                for batch in batches.draw(generator):
+                    optimizer.zero_grad(set_to_none=True)
+                    if len(batch):
+                        images = self.inputs(data.images[batch], generator)
+                        labels = data.labels[batch].to(self.inputs.device, non_blocking=True)
+                        loss = self.loss(images, labels, job.lr, reduction="sum")  # per-sample gradients: their own
+                        loss.backward()
+                        total_loss, samples = total_loss + loss.item(), samples + len(batch)
+                    else:
+                        privacy.no_samples(parameters.values())
+                    with torch.no_grad():
+                        proximal = anchor is not None and lam > 0
+                        pull = {n: lam * (p - anchor[n]) for n, p in parameters.items()} if proximal else {}
+                        optimizer.step()
+                        for name, step in pull.items():
+                            parameters[name].sub_(step, alpha=rates[name])
+                optimizer.zero_grad(set_to_none=True)  # the last step's clipped sum is not left on the shared model
         privacy.spend(batches)
-        return model.state(), total_loss / max(samples, 1)
+        return job.finished(self.model.state()), total_loss / max(samples, 1)
+
+    @contextlib.contextmanager
+    def _training(self, job: SGDJob) -> Iterator[tuple[dict[str, nn.Parameter], dict[str, float]]]:
+        """For the block: `job.start` loaded, the model in training mode, and the trainable parameters of no group
+        without gradients (none is computed for them at all, as for the frozen backbone). Gives the parameters that
+        train, by name, and their learning rates."""
+        model = self.model
+        model.load_state(job.start)
+        model.train()
+        everything = model.trainable_parameters()
+        rates = job.rates(everything)
+        frozen = [parameter for name, parameter in everything.items() if name not in rates]
+        try:
+            for parameter in frozen:
+                parameter.requires_grad_(False)
+            yield {name: everything[name] for name in rates}, rates
+        finally:
+            for parameter in frozen:
+                parameter.requires_grad_(True)
 
     def minibatches(
         self, data: ImageSet, *, epochs: int, seed: int, steps: int | None = None
@@ -242,11 +302,12 @@ class LocalTrainer:
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
         """`task_loss` of the model as it is loaded. Stops the run if it is no longer finite."""
+        return finite(self.unchecked_loss(images, labels, reduction), lr)
+
+    def unchecked_loss(self, images: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """`loss` without its check (for a caller that checks the sum of its terms)."""
         with self.inputs.autocast():
-            loss = task_loss(self.model(images), labels, reduction)
-        if not torch.isfinite(loss):
-            raise diverged(loss.item(), lr)
-        return loss
+            return task_loss(self.model(images), labels, reduction)
 
     @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later
     def logits(self, state: AdapterState, data: ImageSet, inputs: InputPipeline | None = None) -> torch.Tensor:
