@@ -33,8 +33,9 @@ from .test_perada_authors import perturbed  # trainable tensors moved off their 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-# Methods whose client update is plain local SGD (LocalSGDMethod.client_steps), which train concurrently; the
-# others have update rules of their own (pFedMe's inner problem, APFL's mixture, partial models' per-part rates...).
+# Methods whose client update is plain local SGD (LocalSGDMethod.client_steps), which train concurrently (partial
+# models as jobs whose parameter groups are their parts); the others have update rules of their own (pFedMe's inner
+# problem, APFL's mixture, FedRoD's two risks...).
 CONCURRENT = {
     "perada",
     "perada-nokd",
@@ -48,6 +49,13 @@ CONCURRENT = {
     "mtl",
     "standalone",
     "fedala",
+    "fedalt",
+    "fedsim",
+    "fedbn",
+    "lg-fedavg",
+    "fedper",
+    "fedrep",
+    "fedbabu",
 }
 
 
@@ -328,12 +336,14 @@ def test_the_methods_that_train_concurrently():
     assert {name for name, cls in METHODS.items() if trains_by_sgd_jobs(cls)} == CONCURRENT
     assert issubclass(METHODS["perfedavg"], LocalSGDMethod)  # a FedAvg subclass whose client_update is its own
     assert not trains_by_sgd_jobs(METHODS["perfedavg"])
+    assert not trains_by_sgd_jobs(METHODS["fedrod"])  # a partial model descending its own two risks
 
 
-def tiny_session(fmnist_dir: Path, method: str, concurrent: int):
+def tiny_session(fmnist_dir: Path, method: str, concurrent: int, **overrides: object):
     """The tiny federation with 3 clients a round, all federated, trained `concurrent` at once."""
     # full-model training at higher rates amplifies rounding past any fixed tolerance: lr 0.01
     settings = {"clients_per_round": 3, "holdout_clients": 0, "lr": 0.01, "concurrent_clients": concurrent}
+    settings |= overrides
     return newclients_session(fmnist_dir, method, **settings)
 
 
@@ -351,7 +361,20 @@ def test_every_local_sgd_method_gives_the_same_rounds_concurrently(method, fmnis
     weights). Both sessions get the same server steps, from the one-after-another uploads: a server's own
     arithmetic (Adam's normalized steps in distillation) would turn rounding into steps of its learning rate, which
     says nothing about the clients."""
-    alone, together = tiny_session(fmnist_dir, method, 1), tiny_session(fmnist_dir, method, 2)  # groups of 2 and 1
+    assert_same_rounds(method, tiny_session(fmnist_dir, method, 1), tiny_session(fmnist_dir, method, 2))
+
+
+def test_a_partial_model_trains_its_parts_at_their_rates_concurrently(fmnist_dir, home):
+    """FedSim with --personal-lr apart from --lr: each step of a client's one job takes its two groups at their two
+    rates, together as alone."""
+    alone, together = (tiny_session(fmnist_dir, "fedsim", k, personal_lr=0.03) for k in (1, 2))
+    assert_same_rounds("fedsim", alone, together)
+
+
+def assert_same_rounds(method: str, alone, together) -> None:
+    """Two rounds of 3 sampled clients out of 4 through the builtin engine's clients of the sessions `alone` (one
+    after another) and `together` (2 at once: a group of 2, then one of 1), compared as
+    `test_every_local_sgd_method_gives_the_same_rounds_concurrently` says."""
     assert_states_close(together.initial, alone.initial)
     sessions = {"alone": alone, "together": together}
     clients = {way: LocalClients(session, Console(quiet=True)) for way, session in sessions.items()}
@@ -372,7 +395,7 @@ def test_every_local_sgd_method_gives_the_same_rounds_concurrently(method, fmnis
         next_state, _ = alone.method.server_update(global_state, updates["alone"], seed, round_index)
         together.method.server_update(global_state, updates["alone"], seed, round_index)  # its server state too
         global_state = next_state
-    if method != "fedavg-ft":  # its personalized model is fine-tuned at evaluation time, one client after another
+    if method not in ("fedavg-ft", "fedbabu"):  # personalized by fine-tuning at evaluation time, one by one
         for client_id in range(4):
             expected = alone.method.personalized(client_id, global_state)
             assert_states_close(together.method.personalized(client_id, global_state), expected)

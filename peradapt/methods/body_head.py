@@ -2,7 +2,7 @@
 
 The network splits into the body phi (every state entry but the classifier's) and the head h (the classifier:
 `classifier_name`, the task's new head that `load_backbone` initializes at random from --seed). All three are
-full-model baselines (scope `full`), built on `partial.PartialModel`: the client uploads its body only, and the
+full-model baselines (scope `full`), built on `partial.PartialSGD`: the client uploads its body only, and the
 server replaces the global body by the mean of the sampled clients' bodies.
 
 FedPer (Arivazhagan et al., "Federated Learning with Personalization Layers", 2019, Algorithms 1-2): base layers
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
-from peradapt.methods.base import ClientUpdate, MethodContext, register
+from peradapt.methods.base import ClientSteps, ClientUpdate, MethodContext, register
 from peradapt.methods.fedavg import FineTuning, FineTuningSettings
-from peradapt.methods.partial import FedAlt, FedSim, PartialModel, PartialModelSettings, subset
+from peradapt.methods.partial import FedAlt, FedSim, LocalSteps, PartialModelSettings, PartialSGD, subset
 from peradapt.seeds import LOCAL, derive_seed
 from peradapt.settings import setting
 
@@ -84,7 +84,7 @@ class FedRep(FedAlt):
 
 
 @register
-class FedBABU(FineTuning, PartialModel):
+class FedBABU(FineTuning, PartialSGD):
     name = "fedbabu"
     summary = "FedBABU: body averaged, head fixed at its random init, whole model fine-tuned per client (Oh et al.)"
     default_part = HEAD  # the part that stays at its initialization, not a personal one
@@ -97,10 +97,10 @@ class FedBABU(FineTuning, PartialModel):
             raise ConfigError("--method fedbabu keeps the classifier head at its initialization: drop --personal-part")
         super().__init__(context)
 
-    def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
+    def local_steps(self, start: AdapterState, data: ImageSet, seed: int) -> LocalSteps:
         """tau epochs of SGD on the body, the head frozen at h^0 (Algorithm 1, ClientBodyUpdate)."""
         config = self.config
-        state, loss = self.sgd_on(
+        state, loss = yield self.part_job(
             start,
             data,
             self.shared,
@@ -110,9 +110,9 @@ class FedBABU(FineTuning, PartialModel):
         )
         return state, {"local_loss": loss}
 
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         """From the global model (phi, h^0); only the body goes back, and nothing stays on the client."""
-        state, metrics = self.local_training(global_state, client.train, seed)
+        state, metrics = yield from self.local_steps(global_state, client.train, seed)
         return ClientUpdate(client.client_id, subset(state, self.shared), len(client.train), metrics)
 
     def parameter_counts(self) -> dict[str, int]:

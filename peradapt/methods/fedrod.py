@@ -21,6 +21,9 @@ of L_BR + L_ER is both steps (as PFLlib's clientrod.py takes them with two optim
 client uploads (theta, psi); the server takes their mean weighted by the clients' sample counts n_m over the
 sampled clients (`--aggregation uniform`: the plain mean); phi_m never leaves client m. Client m is evaluated
 and exported with the global (theta, psi) and its phi_m. eta = --lr, eta_p = --personal-lr (default --lr).
+The local epochs are one SGD job with two parameter groups, phi_m at eta_p and the rest at eta, descending
+L_BR + L_ER (`LocalTrainer.descend`); as that is not the task loss, clients train one after another even with
+--concurrent-clients.
 
 - phi_m starts at zero (--personal-head-init zero), as the engine's personal head: the global model, whose
   personal head stays zero, predicts with h_G alone, so its rows in the report are FedRoD's generic model
@@ -39,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from peradapt.adapters import AdapterState
-from peradapt.data import ImageSet
-from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.methods.base import MethodContext, register
+from peradapt.compute.trainer import Objective
+from peradapt.data import ClientData, ImageSet
+from peradapt.errors import ConfigError
+from peradapt.methods.base import ClientUpdate, MethodContext, register
 from peradapt.methods.partial import PartialModel, PartialModelSettings
 from peradapt.seeds import LOCAL, derive_seed
 from peradapt.settings import setting
@@ -82,33 +86,33 @@ class FedRoD(PartialModel):
     def personal_part_keys(self) -> list[str]:
         return list(self.trainer.model.personal_head_keys)
 
-    def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
-        """E epochs of the two steps per minibatch (module docstring) from (theta, psi, phi_m) = `start`."""
-        model, trainer, config = self.trainer.model, self.trainer, self.config
+    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
+        """E epochs of the two steps per minibatch (module docstring) from (theta, psi, phi_m); phi_m kept, (theta,
+        psi) uploaded."""
+        config = self.config
+        job = self.part_job(
+            self.personalized(client.client_id, global_state),
+            client.train,
+            self.personal + self.shared,
+            epochs=config.local_epochs,
+            steps=config.local_steps,
+            seed=derive_seed(seed, LOCAL),
+        )
+        state, metrics = self.trainer.descend(job, self.risks(client.train))
+        return self.kept_and_sent(client, state, metrics)
+
+    def risks(self, data: ImageSet) -> Objective:
+        """L_BR and L_ER of a minibatch (module docstring), logged as local_loss and personal_loss."""
+        model, inputs = self.trainer.model, self.trainer.inputs
         assert data.labels is not None and model.personal_head is not None
-        model.load_state(start)
-        model.train()
-        parameters = model.trainable_parameters()
-        rates = ((self.personal, config.personal_lr or config.lr), (self.shared, config.lr))
-        groups = [{"params": [parameters[k] for k in keys if k in parameters], "lr": lr} for keys, lr in rates]
-        optimizer = torch.optim.SGD(groups, lr=config.lr)
         counts = torch.bincount(data.labels, minlength=model.personal_head.out_features)
         log_prior = counts.to(model.device, torch.float32).log()  # log n_m,c; -inf for absent classes: never seen
-        balanced_total, empirical_total, batches = 0.0, 0.0, 0
-        for images, labels in trainer.minibatches(
-            data, epochs=config.local_epochs, steps=config.local_steps, seed=derive_seed(seed, LOCAL)
-        ):
-            with trainer.inputs.autocast():
+
+        def terms(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with inputs.autocast():
                 generic, personal = model.split_logits(images, detach_features=True)
                 balanced = F.cross_entropy(generic.float() + log_prior, labels)  # L_BR: Balanced Softmax
                 empirical = F.cross_entropy(generic.detach() + personal, labels)  # L_ER of the personalized model
-            loss = balanced + empirical  # disjoint gradients: L_BR's reach (theta, psi), L_ER's only phi_m
-            if not torch.isfinite(loss):
-                raise TrainingDiverged(f"training loss became {loss.item()}: lower --lr (now {config.lr})")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            balanced_total, empirical_total = balanced_total + balanced.item(), empirical_total + empirical.item()
-            batches += 1
-        mean = max(batches, 1)
-        return model.state(), {"local_loss": balanced_total / mean, "personal_loss": empirical_total / mean}
+            return balanced, empirical  # disjoint gradients: L_BR's reach (theta, psi), L_ER's only phi_m
+
+        return Objective(terms, ("local_loss", "personal_loss"))

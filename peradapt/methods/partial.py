@@ -15,7 +15,8 @@ FedSim (same paper), simultaneous: (u_m, v_m) <- (u_m, v_m) - (eta, eta_p) * gra
 In both the client uploads u_m only and the server takes u <- sum_m n_m u_m / sum_m n_m over the sampled
 clients (`--aggregation samples`; `uniform`: their plain mean, the default of methods whose paper prints it);
 the personal entries of the global state stay as they are. eta = --lr, eta_p = --personal-lr (default --lr).
-A frozen part is left exactly as it was, BatchNorm running statistics included.
+A frozen part is left exactly as it was, BatchNorm running statistics included. Each phase is one SGD job
+whose parameter groups are the parts (`part_job`), so --concurrent-clients trains several clients together.
 
     fedalt, fedsim  personal part --personal-part (default `output`: of Table 1's FedAlt/FedSim rows the best
                     on CIFAR-10, and it needs no adapter); `adapter` makes the session inject residual adapters.
@@ -40,19 +41,27 @@ These are full-model methods in Table 1 (11.18M trained per client), so they tra
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.backbones import classifier_name
+from peradapt.compute.trainer import ParameterGroup, SGDJob, SGDResult
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
-from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, MethodContext, register
+from peradapt.methods.base import (
+    PERSONAL_KEY,
+    ClientSteps,
+    ClientUpdate,
+    LocalSGDMethod,
+    Method,
+    MethodContext,
+    register,
+)
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.settings import setting
 
@@ -60,6 +69,10 @@ EXTRACTOR = "extractor"  # LG-FedAvg's personal part: no --personal-part value, 
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
 INPUT_MODULES = ("conv1", "bn1", "patch_embed", "cls_token", "reg_token", "pos_embed", "embeddings")
 ADAPTER_MARK = "lora_"
+
+# A client's local training as SGD jobs: yields each, is sent its (state, mean loss); returns the final state and
+# the losses to log.
+LocalSteps = Generator[SGDJob, SGDResult, tuple[AdapterState, dict[str, float]]]
 
 
 def personal_keys(model: AdaptedModel, part: str) -> list[str]:
@@ -121,14 +134,29 @@ class PartialModel(Method):
         """The state keys of the personal part: --personal-part's (or the method's default part)."""
         return personal_keys(self.trainer.model, self.part)
 
-    @abstractmethod
-    def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
-        """The client's local epochs from (u, v_m): the state after them, and losses to log."""
-
-    def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        state, metrics = self.local_training(self.personalized(client.client_id, global_state), client.train, seed)
+    def kept_and_sent(self, client: ClientData, state: AdapterState, metrics: dict[str, float]) -> ClientUpdate:
+        """The end of client m's update, trained to `state`: v_m kept in the client store, u_m uploaded."""
         self.store.put(client.client_id, PERSONAL_KEY, subset(state, self.personal))
         return ClientUpdate(client.client_id, subset(state, self.shared), len(client.train), metrics)
+
+    def part_job(
+        self,
+        start: AdapterState,
+        data: ImageSet,
+        train: Collection[str],
+        *,
+        epochs: int,
+        seed: int,
+        steps: int | None = None,
+    ) -> SGDJob:
+        """Minibatch SGD on the keys in `train` only (personal at eta_p, shared at eta); the rest is frozen, its
+        BatchNorm running statistics included (`SGDJob.groups`)."""
+        config, training = self.config, set(train)
+        groups = (
+            ParameterGroup(tuple(k for k in self.personal if k in training), config.personal_lr or config.lr),
+            ParameterGroup(tuple(k for k in self.shared if k in training), config.lr),
+        )
+        return SGDJob(start, data, epochs=epochs, lr=config.lr, seed=seed, steps=steps, groups=groups)
 
     def server_update(
         self,
@@ -151,7 +179,7 @@ class PartialModel(Method):
         """(u, v_m): v_m from v^0, --personal-epochs of SGD with the global shared part u fixed."""
         start = self.personalized(client.client_id, global_state)
         epochs, seed = self.config.personal_epochs, derive_seed(seed, PERSONAL)
-        return self.sgd_on(start, client.train, self.personal, epochs=epochs, seed=seed)[0]
+        return self.trainer.run(self.part_job(start, client.train, self.personal, epochs=epochs, seed=seed))[0]
 
     def parameter_counts(self) -> dict[str, int]:
         """Table 1: the whole model trains, the shared part is sent, the personal part stays."""
@@ -160,50 +188,23 @@ class PartialModel(Method):
         shared = sum(parameters[k].numel() for k in self.shared if k in parameters)
         return {"personalized": personal, "trained": personal + shared, "communicated": shared}
 
-    def sgd_on(
-        self,
-        start: AdapterState,
-        data: ImageSet,
-        train: Collection[str],
-        *,
-        epochs: int,
-        seed: int,
-        steps: int | None = None,
-    ) -> tuple[AdapterState, float]:
-        """Minibatch SGD on the parameters in `train` only (personal at eta_p, shared at eta); the rest is frozen."""
-        model, config, trainer = self.trainer.model, self.config, self.trainer
-        training = set(train)
-        model.load_state(start)
-        model.train()
-        parameters = model.trainable_parameters()
-        rates = ((self.personal, config.personal_lr or config.lr), (self.shared, config.lr))
-        groups = [
-            {"params": [parameters[k] for k in keys if k in training and k in parameters], "lr": lr}
-            for keys, lr in rates
-        ]
-        optimizer = torch.optim.SGD([g for g in groups if g["params"]], lr=config.lr)
-        frozen = [p for k, p in parameters.items() if k not in training]
-        total_loss, batches = 0.0, 0
-        try:
-            for parameter in frozen:  # no gradient is computed for the frozen part at all
-                parameter.requires_grad_(False)
-            for images, labels in trainer.minibatches(data, epochs=epochs, seed=seed, steps=steps):
-                loss = trainer.loss(images, labels, config.lr)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total_loss += loss.item()
-                batches += 1
-        finally:
-            for parameter in frozen:
-                parameter.requires_grad_(True)
-        state = model.state()
-        state.update({k: v for k, v in start.items() if k not in training})  # BN statistics of the frozen part too
-        return state, total_loss / max(batches, 1)
+
+class PartialSGD(PartialModel, LocalSGDMethod):
+    """A partial model whose client update is SGD jobs on its parts (`local_steps`): several clients can train
+    together (--concurrent-clients)."""
+
+    @abstractmethod
+    def local_steps(self, start: AdapterState, data: ImageSet, seed: int) -> LocalSteps:
+        """The client's local epochs from (u, v_m) as SGD jobs: the state after them, and losses to log."""
+
+    def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
+        start = self.personalized(client.client_id, global_state)
+        state, metrics = yield from self.local_steps(start, client.train, seed)
+        return self.kept_and_sent(client, state, metrics)
 
 
 @register
-class FedAlt(PartialModel):
+class FedAlt(PartialSGD):
     name = "fedalt"
     summary = "partial personalization, alternating: personal part, then shared part (Pillutla et al. 2022)"
     default_part = "output"
@@ -213,12 +214,12 @@ class FedAlt(PartialModel):
         """Epochs on the shared part, after the personal part's."""
         return self.config.local_epochs
 
-    def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
+    def local_steps(self, start: AdapterState, data: ImageSet, seed: int) -> LocalSteps:
         config = self.config
-        state, personal_loss = self.sgd_on(
+        state, personal_loss = yield self.part_job(
             start, data, self.personal, epochs=config.personal_epochs, seed=derive_seed(seed, PERSONAL)
         )
-        state, local_loss = self.sgd_on(
+        state, local_loss = yield self.part_job(
             state,
             data,
             self.shared,
@@ -230,14 +231,14 @@ class FedAlt(PartialModel):
 
 
 @register
-class FedSim(PartialModel):
+class FedSim(PartialSGD):
     name = "fedsim"
     summary = "partial personalization, simultaneous: both parts in the same SGD steps (Pillutla et al. 2022)"
     default_part = "output"
 
-    def local_training(self, start: AdapterState, data: ImageSet, seed: int) -> tuple[AdapterState, dict]:
+    def local_steps(self, start: AdapterState, data: ImageSet, seed: int) -> LocalSteps:
         everything = self.personal + self.shared
-        state, loss = self.sgd_on(
+        state, loss = yield self.part_job(
             start,
             data,
             everything,
