@@ -100,6 +100,9 @@ class ConcurrentSGD:
         self.dropouts = {name: m for name, m in self.module.named_modules() if isinstance(m, nn.Dropout)}
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
+        # The BatchNorm kernel where `vmap` can differentiate it (CPU); elsewhere the formula (see its docstring).
+        on_cpu = trainer.model.device.type == "cpu"
+        self.norm_forward = _native_batch_norm if on_cpu else _batch_norm_by_formula
         self.small_convs = {f"{n}.weight": m for n, m in self.module.named_modules() if isinstance(m, SmallInputConv2d)}
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
@@ -244,7 +247,8 @@ class ConcurrentSGD:
         """Inside `vmap`:
         - each training dropout multiplies by its client's masks, `masks[name]` one per call in call order (a
           dropout of rate 0 passes its input);
-        - BatchNorms compute by their formula in float32 (`_batch_norm_by_formula`);
+        - BatchNorms compute in float32 (`vmap`'s BatchNorm rule cannot take the bf16 inputs of autocast), off
+          the CPU by their formula (`_batch_norm_by_formula`);
         - the residual adapters' projections are the matrix product `vmap` batches into one (their own test for a
           channels-last input cannot be asked of a batched tensor);
         - convolutions whose weights are the clients' own but do not train (`fixed`: a partial model's frozen part)
@@ -261,7 +265,7 @@ class ConcurrentSGD:
                 dropout.forward = functools.partial(_masked, name, queue, dropout.p)  # type: ignore[method-assign]
                 replaced.append(dropout)
         for norm in self.norms:
-            norm.forward = functools.partial(_batch_norm_by_formula, norm)  # type: ignore[method-assign]
+            norm.forward = functools.partial(self.norm_forward, norm)  # type: ignore[method-assign]
             replaced.append(norm)
         for projection in self.projections:
             projection.forward = projection.channel_product  # type: ignore[method-assign]
@@ -376,6 +380,12 @@ def _masked(name: str, masks: collections.deque[torch.Tensor], p: float, x: torc
     return x * masks.popleft().to(x.dtype)
 
 
+def _native_batch_norm(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm`'s own forward in float32: on CPU `vmap` batches PyTorch's BatchNorm kernel, which one client alone
+    runs too, so concurrent clients round exactly as they would alone."""
+    return type(norm).forward(norm, x.float()).to(x.dtype)
+
+
 def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """`norm`'s forward as `nn.BatchNorm2d` defines it (batch statistics in training, running ones updated with its
     momentum and the unbiased variance; running statistics in evaluation), written out in float32 for `vmap`.
@@ -388,10 +398,7 @@ def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     shape = (1, -1) + (1,) * (x.dim() - 2)  # a per-channel vector against [N, C, ...]
     if norm.training or norm.running_mean is None:
         dims = [0, *range(2, x.dim())]
-        # Statistics summed in the precision of PyTorch's own BatchNorm kernels (double on CPU, float on a GPU), so
-        # that they round as one client alone would: full-model training carries their rounding from step to step.
-        exact = values.double() if x.device.type == "cpu" else values
-        mean, var = exact.mean(dims).to(values.dtype), exact.var(dims, unbiased=False).to(values.dtype)
+        mean, var = values.mean(dims), values.var(dims, unbiased=False)
         if norm.training and norm.running_mean is not None and norm.running_var is not None:
             count = x.numel() / x.size(1)
             with torch.no_grad():
