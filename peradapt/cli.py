@@ -9,7 +9,6 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 import typer.core
 from rich.markup import escape
@@ -46,11 +45,9 @@ class PlainTextCommand(typer.core.TyperCommand):
     help parses markup in them, and its only other modes (Markdown, or none: click's plain help without panels)
     would read `*`, `_` and `<class>` or lose the panels; so every text is escaped once, here."""
 
-    def __init__(self, *args: Any, params: list[click.Parameter], help: str | None = None, **kwargs: Any) -> None:
-        for param in params:
-            if (isinstance(param, click.Option) and param.help) or (
-                isinstance(param, typer.core.TyperArgument) and param.help
-            ):
+    def __init__(self, *args: Any, params: list[Any], help: str | None = None, **kwargs: Any) -> None:
+        for param in params:  # Typer's options and arguments (click's, or the click Typer vendors)
+            if isinstance(param, (typer.core.TyperOption, typer.core.TyperArgument)) and param.help:
                 param.help = escape(param.help)
         super().__init__(*args, params=params, help=escape(help) if help else help, **kwargs)
 
@@ -110,17 +107,17 @@ class TrainCommand(PlainTextCommand):
     command is built (the shared config's and every registered method's), each in its help panel. The function gets
     its own options; it reads the settings from the context."""
 
-    def __init__(self, *args: Any, params: list[click.Parameter], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, params: list[Any], **kwargs: Any) -> None:
         self.own_options = {param.name for param in params}
         options = [_setting_option(declared, panel) for declared, panel in listed_settings() if declared.flag]
         super().__init__(*args, params=[*params, *options], **kwargs)
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:
         assert self.callback is not None
         return ctx.invoke(self.callback, **{k: v for k, v in ctx.params.items() if k in self.own_options})
 
 
-def _setting_option(declared: Setting, panel: str) -> click.Option:
+def _setting_option(declared: Setting, panel: str) -> typer.core.TyperOption:
     """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`);
     default None, so that a flag not given leaves the preset's or config file's value."""
     help_text = declared.help_text()
@@ -139,7 +136,7 @@ def _setting_option(declared: Setting, panel: str) -> click.Option:
     )
 
 
-def given_settings(context: click.Context, *, leave_out: Collection[str]) -> dict[str, Any]:
+def given_settings(context: typer.Context, *, leave_out: Collection[str]) -> dict[str, Any]:
     """The settings a command line gave (a repeatable flag not given is an empty tuple)."""
     return {k: v for k, v in context.params.items() if k not in leave_out and v is not None and v != ()}
 

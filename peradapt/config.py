@@ -109,6 +109,14 @@ def check_output_path(path: Path, flag: str, *, directory: bool) -> None:
         raise ConfigError(f"{flag} {path} is under {parent}, which is a file: give a path in a directory")
 
 
+def _check_dp_noise(sigma: float) -> None:
+    if sigma < MIN_DP_NOISE:
+        raise ConfigError(
+            f"--dp-noise must be at least {MIN_DP_NOISE:g}, got {sigma:g}: the privacy accountant cannot bound ε for "
+            "less noise in floating point (and a σ much below 1 already gives a vacuous ε)"
+        )
+
+
 def _check_run_directory(out: str) -> None:
     check_output_path(Path(out), "--out", directory=True)
 
@@ -243,12 +251,8 @@ class FederationConfig:
     eval_every: int = setting(
         10, help="Evaluate every N rounds (0: only at the end).", group=FEDERATION, minimum=0, metavar="N"
     )
-    holdout_clients: int = setting(
-        0,
-        help="Keep the last K clients out of training, for `peradapt personalize`.",
-        group=FEDERATION,
-        minimum=0,
-        metavar="K",
+    holdout_clients: int = setting(  # 0 <= K < --clients: a rule between settings (`TrainConfig.validate`)
+        0, help="Keep the last K clients out of training, for `peradapt personalize`.", group=FEDERATION, metavar="K"
     )
     client_store: str = setting(
         "auto",
@@ -468,9 +472,9 @@ class PrivacyConfig:
         help="Differential privacy: train clients with DP-SGD (opacus) at noise multiplier SIGMA; needs --dp-clip. "
         "Each client's ε is accounted across rounds and reported.",
         group=PRIVACY,
-        minimum=MIN_DP_NOISE,
-        why="the privacy accountant cannot bound ε for less noise in floating point (and a σ much below 1 "
-        "already gives a vacuous ε)",
+        minimum=0.0,
+        exclusive_minimum=True,
+        check=_check_dp_noise,
         metavar="SIGMA",
         shown_default="none: no differential privacy",
         symbol="σ",
@@ -638,7 +642,7 @@ class TrainConfig:
                 f"--clients-per-round {fed.clients_per_round} is more than --clients {fed.clients}: "
                 "lower --clients-per-round or raise --clients"
             )
-        if fed.holdout_clients >= fed.clients:
+        if not 0 <= fed.holdout_clients < fed.clients:
             raise ConfigError(
                 f"--holdout-clients must be at least 0 and less than --clients {fed.clients}, got {fed.holdout_clients}"
             )
