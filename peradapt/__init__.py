@@ -3,7 +3,9 @@
 The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`; see
 `peradapt.api`) does what the commands do. Importing peradapt registers the residual adapter with PEFT (so exported
 adapters load with a plain `peft.PeftModel.from_pretrained`), the narrow ResNets (`resnet18_w16`, ...) with timm, and
-the built-in methods (so that a config knows their settings, `peradapt.config.METHODS`).
+the built-in methods (so that a config knows their settings, `peradapt.config.METHODS`). A method of one's own
+subclasses `Method` or `LocalSGDMethod`, or a built-in method (`method_class("fedavg")`), and runs as
+`--method module:Class` (docs/ADDING_A_METHOD.md).
 """
 
 from typing import Any
@@ -13,6 +15,7 @@ from peradapt import methods as _methods  # noqa: F401  (registers the built-in 
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.config import TrainConfig
 from peradapt.errors import PeradaptError
+from peradapt.methods import LocalSGDMethod, Method, method_class, register
 
 __version__ = "0.1.0"
 
@@ -28,7 +31,19 @@ _API = (
     "training_config",
 )
 
-__all__ = ["AdaptedModel", "AdapterState", "PeradaptError", "TrainConfig", "__version__", "inject_adapters", *_API]
+__all__ = [
+    "AdaptedModel",
+    "AdapterState",
+    "LocalSGDMethod",
+    "Method",
+    "PeradaptError",
+    "TrainConfig",
+    "__version__",
+    "inject_adapters",
+    "method_class",
+    "register",
+    *_API,
+]
 
 
 def __getattr__(name: str) -> Any:

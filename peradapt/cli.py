@@ -20,6 +20,7 @@ from peradapt.config import listed_settings
 from peradapt.errors import ConfigError, Interrupted, PeradaptError
 from peradapt.methods import METHODS, method_class
 from peradapt.methods.base import trains_by_sgd_jobs
+from peradapt.methods.plugins import ENTRY_POINT_GROUP
 from peradapt.presets import PRESETS
 from peradapt.progress import text_console
 from peradapt.settings import Setting, declared_settings
@@ -399,15 +400,22 @@ def list_methods(
     """Every registered method: what it is, its paper, its defaults and its own settings; or one method in full."""
     console = out_console if out_console.is_terminal else text_console(width=200)
     if name is not None:
-        _print_method(method_class(name), console)
+        _print_method(name, method_class(name), console)
         return
     table = Table(title="methods (`peradapt methods NAME`: one in full; `peradapt train --method NAME`)")
-    for column in ("method", "summary (paper)", "scope", "server mean", "own settings [default]"):
+    for column in ("method", "summary (paper)", "scope", "server mean", "own settings [default]", "source"):
         table.add_column(column, overflow="fold")
     for method, cls in METHODS.items():
         own = [_setting_line(declared) for declared in declared_settings(cls.settings_class)]
-        table.add_row(method, cls.summary, cls.default_scope, str(cls.default_aggregation or "none"), "\n".join(own))
+        aggregation = str(cls.default_aggregation or "none")
+        table.add_row(method, cls.summary, cls.default_scope, aggregation, "\n".join(own), METHODS.source(method))
     console.print(table)
+    console.print(
+        "A method of your own: `--method MODULE:CLASS`, or an installed package's entry point in group "
+        f"{ENTRY_POINT_GROUP} (docs/ADDING_A_METHOD.md).",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def _setting_line(declared: Setting) -> str:
@@ -415,12 +423,13 @@ def _setting_line(declared: Setting) -> str:
     return f"{declared.flag_name}{symbol} [{declared.default_text()}]"
 
 
-def _print_method(cls: type, console: Any) -> None:
+def _print_method(name: str, cls: type, console: Any) -> None:
     """One method: its summary, its module's description (paper, update rules, conventions), what it supports,
     and its settings."""
-    console.print(f"{cls.name}: {cls.summary}", soft_wrap=True, highlight=False)
+    console.print(f"{name}: {cls.summary}", soft_wrap=True, highlight=False)
     console.print(inspect.getdoc(sys.modules[cls.__module__]) or "", highlight=False)
     facts = {
+        "source": METHODS.source(name),
         "default scope": cls.default_scope,
         "server mean": cls.default_aggregation or "none (the server averages nothing)",
         "distills on unlabeled data": "yes" if cls.uses_distillation else "no",
@@ -435,7 +444,7 @@ def _print_method(cls: type, console: Any) -> None:
     if not own:
         console.print("settings of its own: none (the shared ones: `peradapt train --help`)", highlight=False)
         return
-    table = Table(title=f"settings of {cls.name} (the shared ones: `peradapt train --help`)")
+    table = Table(title=f"settings of {name} (the shared ones: `peradapt train --help`)")
     for column in ("flag", "symbol", "default", "values", "help"):
         table.add_column(column, overflow="fold")
     for d in own:
@@ -458,8 +467,21 @@ def report(
         out_console.print(f"written {path}")
 
 
+def find_named_plugins(args: list[str]) -> None:
+    """Find the plugin methods a command line names (`--method module:Class`, compare's `--methods a,module:Class`)
+    before the commands are built, so that their settings are flags (and shown by --help) too."""
+    for index, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in ("--method", "--methods"):
+            value = value if equals else (args[index + 1] if index + 1 < len(args) else "")
+            for name in value.split(","):
+                if ":" in name:
+                    method_class(name.strip())
+
+
 def main() -> None:
     try:
+        find_named_plugins(sys.argv[1:])
         code = app(standalone_mode=False)
     except PeradaptError as exc:
         err_console.print(Text.assemble(("error:", "red"), f" {exc}"), highlight=False)

@@ -2,8 +2,8 @@
 
 Every method runs once per seed with otherwise identical settings; a seed fixes the partition, the client
 sampling and the initial adapters, so all methods see the same clients. Runs are ordinary run directories
-under `out/<method>-seed<seed>/`: a finished one is reused and an interrupted one resumed, so re-running the
-same comparison only does what is missing.
+under `out/<method>-seed<seed>/` (a plugin's `module:Class` as `module.Class`): a finished one is reused and an
+interrupted one resumed, so re-running the same comparison only does what is missing.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from peradapt.config import TrainConfig, setting_owners, settings_for_method
+from peradapt.config import TrainConfig, method_path_label, setting_owners, settings_for_method
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.engine import resume_config
@@ -59,7 +59,7 @@ def compare(
                 **settings_for_method(settings, method),
                 "method": method,
                 "seed": seed,
-                "out": str(out / f"{method}-seed{seed}"),
+                "out": str(out / f"{method_path_label(method)}-seed{seed}"),
             }
         )
         for method in methods

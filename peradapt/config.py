@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from peradapt.errors import ConfigError
 from peradapt.settings import NoSettings, Setting, declared_settings, markdown_table, setting
@@ -69,11 +70,80 @@ TRACKERS = (
     "mlflow",
 )  # --log: experiment trackers (peradapt.federation.tracking), each an extra
 
-# The method registry: every method's class by its --method name. `peradapt.methods.base.register` adds each as it
-# is defined (importing peradapt registers the built-in ones); the config reads only their `settings_class` (a
-# dataclass of `setting` fields), so flags, config files and config.json know the settings of whatever methods are
-# registered when they are read.
-METHODS: dict[str, Any] = {}
+BUILT_IN = "built-in"  # where a method registered by peradapt itself comes from (`MethodRegistry.source`)
+
+
+class PluginFinder(Protocol):
+    """What finds methods from outside peradapt (`peradapt.methods.plugins` installs it in `METHODS`)."""
+
+    def find(self, name: str) -> tuple[Any, str] | None:
+        """The class of plugin method `name` and where it comes from; None if no plugin has that name. A plugin
+        that cannot be used is a ConfigError."""
+
+    def installed(self) -> list[str]:
+        """The names of the methods that installed packages declare."""
+
+
+class MethodRegistry(MutableMapping[str, Any]):
+    """Every method's class by its `--method` name. `peradapt.methods.base.register` adds each built-in one as it
+    is defined (importing peradapt registers them); plugins (`module:Class` names, entry points of group
+    `peradapt.methods`) are added by the finder the methods layer installs when they are looked up, and every
+    installed one when the registry is listed. The config reads only their `settings_class` (a dataclass of
+    `setting` fields), so flags, config files and config.json know the settings of whatever methods are registered
+    when they are read."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, Any] = {}
+        self._sources: dict[str, str] = {}
+        self.finder: PluginFinder | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        self._find(name)
+        return self._classes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        for name in self.finder.installed() if self.finder is not None else ():
+            self._find(name)
+        return iter(list(self._classes))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __setitem__(self, name: str, cls: Any) -> None:
+        self.add(name, cls, BUILT_IN)
+
+    def __delitem__(self, name: str) -> None:
+        del self._classes[name], self._sources[name]
+
+    def add(self, name: str, cls: Any, source: str) -> None:
+        self._classes[name] = cls
+        self._sources[name] = source
+
+    def source(self, name: str) -> str:
+        """Where method `name` comes from: built-in, a module, or an installed package's entry point."""
+        self._find(name)
+        return self._sources[name]
+
+    def _find(self, name: str) -> None:
+        """Register plugin `name` if the finder knows it and it is not registered yet."""
+        if name not in self._classes and self.finder is not None and isinstance(name, str):
+            found = self.finder.find(name)
+            if found is not None:
+                self.add(name, *found)
+
+    def loaded(self) -> dict[str, Any]:
+        """The methods registered so far, finding none: what a plugin being loaded is checked against."""
+        return dict(self._classes)
+
+
+# The method registry: built-in methods and plugins (`MethodRegistry`).
+METHODS = MethodRegistry()
+
+
+def method_path_label(method: str) -> str:
+    """Method `method`'s name in a path (default run directories): a plugin's `module:Class` with a dot for the
+    colon, which Windows refuses in file names and `scp` takes for a host."""
+    return method.replace(":", ".")
 
 
 def tracker_names(log: str | None) -> list[str]:
@@ -301,7 +371,8 @@ class MethodConfig:
 
     method: str = setting(
         "perada",
-        help="The personalization method: {choices} (`peradapt methods` describes each).",
+        help="The personalization method: {choices} (`peradapt methods` describes each), or MODULE:CLASS, a method "
+        "of your own (docs/ADDING_A_METHOD.md).",
         group=METHOD,
         choices=METHODS,  # the registry itself: methods registered later are choices too
     )
@@ -574,6 +645,7 @@ class TrainConfig:
         setting of another method than the one chosen is refused by name."""
         config = cls()
         owned: dict[str, Any] = {}
+        settings_class_of(values.get("method", MethodConfig.method))  # a plugin named here is found: its keys known
         for key, value in values.items():
             key = key.replace("-", "_")
             declared = find_setting(key)
@@ -621,13 +693,13 @@ class TrainConfig:
                 flat.update(value)
             else:
                 flat[key] = value
+        method = flat.get("method", MethodConfig.method)
+        takes = {declared.name for declared in declared_settings(settings_class_of(method))}  # a plugin: found first
         for key, value in flat.items():
             declared = find_setting(key)
             if declared is not None and not declared.is_json_type(value):
                 kind = declared.type.replace(" | None", " or null")
                 raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}")
-        method = flat.get("method", MethodConfig.method)
-        takes = {declared.name for declared in declared_settings(settings_class_of(method))}
         others = _method_declarations().keys() - takes - _SHARED.keys()
         return cls.from_flat({key: value for key, value in flat.items() if key not in others})
 
@@ -707,21 +779,24 @@ def settings_class_of(method: str) -> type:
 
 def check_method_settings(settings_class: type) -> None:
     """Refuse a method's settings class whose keys clash: a method's setting shares no key with the shared ones,
-    and two methods share a key only as one declaration (a family's base class)."""
-    declarations = _method_declarations()
+    and two methods share a key only as one declaration (a family's base class). It is checked against the methods
+    registered so far (`MethodRegistry.loaded`: checking a plugin finds no other), so a clash is found by whichever of
+    the two comes second."""
+    loaded = METHODS.loaded()
     for declared in declared_settings(settings_class):
+        where = f"{settings_class.__name__}.{declared.name}"
         if declared.name in _SHARED:
-            raise TypeError(f"{settings_class.__name__}.{declared.name}: a shared setting has that key")
+            raise TypeError(f"{where}: a shared setting has that key")
         if declared.group is not None:
-            raise TypeError(f"{settings_class.__name__}.{declared.name}: a method's setting is shown under the method")
-        other = declarations.get(declared.name)
-        if other is not None and other != declared:
-            raise TypeError(f"{settings_class.__name__}.{declared.name}: another method declares that key")
+            raise TypeError(f"{where}: a method's setting is shown under the method")
+        for method, cls in loaded.items():
+            if any(d.name == declared.name and d != declared for d in declared_settings(cls.settings_class)):
+                raise TypeError(f"{where}: method {method} declares that key")
 
 
 def _method_declarations() -> dict[str, Setting]:
     """Every registered method's settings by key."""
-    return {declared.name: declared for method in METHODS for declared in declared_settings(settings_class_of(method))}
+    return {declared.name: declared for cls in METHODS.values() for declared in declared_settings(cls.settings_class)}
 
 
 def find_setting(key: str) -> Setting | None:

@@ -35,7 +35,7 @@ from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
-from peradapt.config import TrainConfig
+from peradapt.config import TrainConfig, method_path_label
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
 from peradapt.errors import ConfigError, Interrupted, RunError
@@ -74,7 +74,8 @@ _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkp
 
 
 def default_run_dir(config: TrainConfig) -> Path:
-    return Path("runs") / f"{dataset_label(config.data.data)}-{config.method.method}-seed{config.seed}"
+    method = method_path_label(config.method.method)
+    return Path("runs") / f"{dataset_label(config.data.data)}-{method}-seed{config.seed}"
 
 
 def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:

@@ -16,15 +16,28 @@ from peradapt.methods import perada as _perada  # noqa: F401  (registers perada,
 from peradapt.methods import perfedavg as _perfedavg  # noqa: F401  (registers perfedavg)
 from peradapt.methods import pfedbred as _pfedbred  # noqa: F401  (registers pfedbred)
 from peradapt.methods import pfedme as _pfedme  # noqa: F401  (registers pfedme)
+from peradapt.methods import plugins as _plugins  # noqa: F401  (finds methods from outside peradapt)
 from peradapt.methods import standalone as _standalone  # noqa: F401  (registers standalone)
 from peradapt.methods.base import (
     METHODS,
     ClientUpdate,
+    LocalSGDMethod,
     Method,
     MethodContext,
     build_method,
     check_private_method,
     method_class,
+    register,
 )
 
-__all__ = ["METHODS", "ClientUpdate", "Method", "MethodContext", "build_method", "check_private_method", "method_class"]
+__all__ = [
+    "METHODS",
+    "ClientUpdate",
+    "LocalSGDMethod",
+    "Method",
+    "MethodContext",
+    "build_method",
+    "check_private_method",
+    "method_class",
+    "register",
+]

@@ -18,8 +18,8 @@ import torch
 
 from peradapt.adapters import AdapterState, average_states
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
+from peradapt.config import BUILT_IN, MethodConfig, MethodRegistry, check_method_settings
 from peradapt.config import METHODS as REGISTRY
-from peradapt.config import MethodConfig, check_method_settings
 from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
@@ -91,7 +91,9 @@ class Method(ABC):
         self.config = context.config
         self.settings = self.settings_class() if context.settings is None else context.settings
         if not isinstance(self.settings, self.settings_class):
-            raise TypeError(f"{self.name} takes {self.settings_class.__name__}, not {type(self.settings).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} takes {self.settings_class.__name__}, not {type(self.settings).__name__}"
+            )
         validate_settings(self.settings)  # a config checks them already; a context built in code is checked here
         self.trainer = context.trainer
         self.store = context.store
@@ -243,19 +245,27 @@ class ProximalPersonalization(LocalSGDMethod):
         return personal, loss
 
 
-METHODS: dict[str, type[Method]] = REGISTRY  # the one registry, kept where the config reads methods' settings
+METHODS: MethodRegistry = REGISTRY  # the one registry, kept where the config reads methods' settings
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Add a method under its `name`; the settings it takes are its `settings_class`'s."""
+    """Add a method under its `name`; the settings it takes are its `settings_class`'s. A method of peradapt's own
+    is built-in; one that a plugin module registers this way is named by that module as its source."""
+    taken = METHODS.loaded().get(cls.name)
+    if taken is not None and taken is not cls:
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__}: method {cls.name} is {taken.__qualname__} already")
     check_method_settings(cls.settings_class)
-    METHODS[cls.name] = cls
+    METHODS.add(cls.name, cls, BUILT_IN if cls.__module__.startswith("peradapt.") else f"module {cls.__module__}")
     return cls
 
 
 def method_class(name: str) -> type[Method]:
+    """The class of method `name`: a registered one, `module:Class`, or an installed package's entry point."""
     if name not in METHODS:
-        raise ConfigError(f"unknown --method '{name}': use one of {', '.join(METHODS)}")
+        raise ConfigError(
+            f"unknown --method '{name}': use one of {', '.join(METHODS)}, or MODULE:CLASS for a method of your own "
+            "(docs/ADDING_A_METHOD.md)"
+        )
     return METHODS[name]
 
 
