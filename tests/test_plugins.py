@@ -108,6 +108,11 @@ def test_fedavgm_server_update_is_momentum_on_the_mean_by_hand():
     assert_close({n: fresh[n] for n in names}, {n: mean_2[n] for n in names}, **TOL)
 
 
+def test_the_walk_through_shows_the_tested_plugin():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ADDING_A_METHOD.md").read_text(encoding="utf-8")
+    assert (PLUGIN_DIR / "peradapt_fedavgm" / "__init__.py").read_text(encoding="utf-8") in doc
+
+
 # ---------------------------------------------------------------- module:Class through the command line
 
 
