@@ -97,22 +97,33 @@ def evaluate(
     return evaluate_run(Path(run))
 
 
-def export(run: PathLike, out: PathLike) -> Path:
-    """Every client's adapter and the global adapter (PEFT layout) with their frozen backbone, into `out`."""
+def export(run: PathLike, out: PathLike, *, merge: bool = False, license: str | None = None) -> Path:
+    """Every client's adapter and the global adapter (PEFT layout) with their frozen backbone, into `out`, each with
+    a model card declaring `license` (default: the backbone weights' own, where known). `merge`: instead every
+    client's model and the global one with the adapters folded into the backbone, plain timm or transformers
+    models that load without peradapt."""
     from peradapt.commands.finished_run import export_run
 
-    return export_run(Path(run), Path(out))
+    return export_run(Path(run), Path(out), merge=merge, license=license)
 
 
 def push_to_hub(
-    run: PathLike, out: PathLike, repo_id: str, *, clients: str | Sequence[int] = "all", private: bool = False
+    run: PathLike,
+    out: PathLike,
+    repo_id: str,
+    *,
+    clients: str | Sequence[int] = "all",
+    private: bool = False,
+    merge: bool = False,
+    license: str | None = None,
 ) -> str:
-    """`export` into `out`, then upload it to the Hugging Face model repository `repo_id` (OWNER/NAME): the
-    backbone, the global adapter, the adapters of `clients` (ids, or "all") and their model cards; returns its URL."""
+    """`export` into `out` (`merge`, `license`: as there), then upload it to the Hugging Face model repository
+    `repo_id` (OWNER/NAME): the backbone, the global model, the models of `clients` (ids, or "all") and their model
+    cards; returns its URL."""
     from peradapt.commands.share import push_export
 
     chosen = clients if isinstance(clients, str) else ",".join(str(client) for client in clients)
-    return push_export(Path(run), Path(out), repo_id, chosen, private=private)
+    return push_export(Path(run), Path(out), repo_id, chosen, private=private, merge=merge, license=license)
 
 
 def personalize_new_client(run: PathLike, new_client: str) -> dict:

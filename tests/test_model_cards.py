@@ -173,7 +173,7 @@ def test_cards_say_where_the_backbone_weights_came_from(perada):
     _, resolved = read_run_config(run)
     _, body = card(out / "clients" / "0" / "README.md")
     assert "peradapt pretrain on fmnist" in body  # the description kept beside the run's pinned weights
-    assert resolved["weights"] in body and resolved["backbone_sha256"] in body
+    assert f"from `{Path(resolved['weights']).name}`" in body and resolved["backbone_sha256"] in body
     assert "`dir:0.5` over 4 clients" in body and "1 round, 2 of 4 clients sampled per round, seed 0" in body
 
 
@@ -206,7 +206,7 @@ def test_a_dp_card_gives_that_clients_epsilon_and_held_out_clients_get_none(priv
     metadata, body = card(out / "global" / "README.md")
     assert f"at most {report['privacy']['epsilon']['max']:.2f}" in body
     assert metadata["tags"][-1] == "lora"  # the default adapter of a ViT
-    assert f"from `{read_run_config(run)[1]['weights']}`" in body  # --weights FILE
+    assert f"from `{Path(read_run_config(run)[1]['weights']).name}`" in body  # --weights FILE, by its name
 
 
 # ---------------------------------------------------------------- the loading recipe works as written
@@ -407,3 +407,157 @@ def test_hub_backbones_are_the_base_model(backbone, kind, weights, base_model, l
     else:  # a timm model of timm's own: peradapt only for the residual adapter, a custom PEFT layer
         assert 'timm.create_model("resnet18.tv_in1k", num_classes=10, in_chans=1)' in body
     assert ("import peradapt" in body) == (kind == "residual")
+
+
+# ---------------------------------------------------------------- what anyone can use (issue 25)
+
+
+def text_files(root: Path) -> dict[Path, str]:
+    """Every file of an export that reads as UTF-8 text (cards, configs), by path."""
+    texts = {}
+    for path in root.rglob("*"):
+        if path.is_file():
+            try:
+                texts[path] = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue  # safetensors
+    return texts
+
+
+def test_runs_record_their_class_names(perada, capsys, monkeypatch):
+    from peradapt.data.sources import FMNIST_CLASSES
+
+    run, _ = perada
+    assert read_run_config(run)[1]["classes"] == list(FMNIST_CLASSES)
+    assert report_of(run)["classes"] == list(FMNIST_CLASSES)
+    code, stdout, _ = run_cli(["info", "--run", str(run)], capsys, monkeypatch)
+    assert code == 0 and f"classes: {', '.join(FMNIST_CLASSES)}" in stdout
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_an_export_holds_no_path_of_the_machine_it_was_made_on(merge, perada, tmp_path, home, fmnist_dir):
+    run, _ = perada
+    out = tmp_path / "export"
+    run_main(["export", "--run", str(run), "--out", str(out), *(["--merge"] if merge else [])], home)
+    _, resolved = read_run_config(run)
+    machine = {str(p) for p in (run, run.resolve(), fmnist_dir, home, tmp_path.parent, Path(resolved["weights"]))}
+    texts = text_files(out)
+    assert any(path.suffix == ".json" for path in texts) and any(path.name == "README.md" for path in texts)
+    for path, text in texts.items():
+        leaked = [where for where in machine if where in text]
+        assert not leaked, f"{path} holds {leaked}"
+    _, body = card(out / "clients" / "0" / "README.md")
+    # the weights named by their file and fingerprint, not their path
+    assert f"from `{Path(resolved['weights']).name}`" in body and resolved["backbone_sha256"] in body
+
+
+def test_cards_carry_model_index_datasets_and_license_for_the_hub(perada, tmp_path, home):
+    from huggingface_hub import ModelCard
+
+    from peradapt.data.sources import FMNIST_CLASSES
+
+    run, _ = perada
+    out = tmp_path / "export"
+    run_main(["export", "--run", str(run), "--out", str(out), "--license", "cc-by-4.0"], home)
+    report = report_of(run)
+    for client in (0, 2):
+        parsed = ModelCard.load(out / "clients" / str(client) / "README.md")
+        assert parsed.data.license == "cc-by-4.0" and parsed.data.datasets == ["zalando-datasets/fashion_mnist"]
+        local, everyone = parsed.data.eval_results
+        assert (local.metric_type, local.task_type) == ("accuracy", "image-classification")
+        index = report["clients"].index(client)
+        assert local.metric_value == round(100 * report["personalized"]["local_test"]["per_client"][index], 2)
+        assert everyone.metric_value == round(100 * report["personalized"]["global_test"]["per_client"][index], 2)
+        assert f"client {client}'s test split" in local.dataset_name
+    global_card = ModelCard.load(out / "global" / "README.md")
+    assert global_card.data.eval_results[0].metric_value == round(100 * report["global"]["global_test"], 2)
+    federation = ModelCard.load(out / "README.md")
+    assert federation.data.eval_results[0].metric_value == round(100 * report["personalized"]["local_test"]["mean"], 2)
+    _, body = card(out / "clients" / "0" / "README.md")
+    assert ", ".join(FMNIST_CLASSES) in body  # the order of the logits
+    backbone = json.loads((out / "backbone.json").read_text())
+    assert backbone["classes"] == list(FMNIST_CLASSES)
+
+
+def test_a_bad_license_is_refused_before_anything_is_written(perada, tmp_path, capsys, monkeypatch, home):
+    run, _ = perada
+    out = tmp_path / "export"
+    args = ["export", "--run", str(run), "--out", str(out), "--license", "Apache 2"]
+    expect_refusal(args, capsys, monkeypatch, "--license", "apache-2.0", untouched=out)
+
+
+# A fresh interpreter in which peradapt cannot be imported, as on the machine of someone who downloaded a model.
+WITHOUT_PERADAPT = """
+import importlib.abc
+import sys
+
+
+class NoPeradapt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "peradapt" or name.startswith("peradapt."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+sys.meta_path.insert(0, NoPeradapt())
+"""
+
+
+def run_without_peradapt(code: str, directory: Path) -> str:
+    """Run `code` in a fresh Python process, from `directory`, where peradapt is not importable; its stdout."""
+    import subprocess
+    import sys
+
+    script = directory.parent / f".{directory.name}-check.py"
+    script.write_text(WITHOUT_PERADAPT + code, encoding="utf-8")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=directory, capture_output=True, text=True, timeout=300, check=False
+        )
+    finally:
+        script.unlink()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def merged_export(run: Path, out: Path, home: Path) -> Path:
+    run_main(["export", "--run", str(run), "--out", str(out), "--merge"], home)
+    return out
+
+
+def test_a_merged_model_loads_without_peradapt_with_the_same_logits(perada, tmp_path, home):
+    run, _ = perada
+    target = merged_export(run, tmp_path / "merged", home) / "clients" / "2"
+    assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    metadata, body = card(target / "README.md")
+    assert metadata["library_name"] == "timm" and "merged" in metadata["tags"]
+    assert "import peradapt" not in body and "**merged**" in body
+    images, expected = expected_logits(run, 2)
+    torch.save(images, tmp_path / "images.pt")
+    check = f"""
+{snippet(body)}
+images = torch.load({str(tmp_path / "images.pt")!r})
+with torch.no_grad():
+    logits = model(preprocess(images))
+    by_timm = timm.create_model("local-dir:.", pretrained=True).eval()(preprocess(images))
+assert "peradapt" not in sys.modules
+print(json.dumps([logits.tolist(), by_timm.tolist(), classes]))
+"""
+    logits, by_timm, classes = json.loads(run_without_peradapt(check, target))
+    torch.testing.assert_close(torch.tensor(logits), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(by_timm), expected, atol=1e-4, rtol=1e-4)
+    assert classes == report_of(run)["classes"]
+
+
+@pytest.mark.parametrize(("name", "client"), [("fedrod", 1), ("lora", None)])
+def test_merged_personal_heads_and_lora_give_the_models_logits(name, client, request, tmp_path, monkeypatch, home):
+    run, _ = request.getfixturevalue(name)
+    out = merged_export(run, tmp_path / "merged", home)
+    target = out / ("global" if client is None else f"clients/{client}")
+    _, body = card(target / "README.md")
+    namespace = load_as_the_card_says(body, target, monkeypatch)  # timm alone builds it (checked above)
+    images, expected = expected_logits(run, client)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["model"](namespace["preprocess"](images)), expected, atol=1e-4, rtol=1e-4)
+    _, federation = card(out / "README.md")
+    assert 'root = "clients/0"' in federation and "backbone.safetensors" not in federation

@@ -210,6 +210,46 @@ def test_hf_run_exports_a_model_directory_that_plain_peft_loads(hf_dir, fmnist_d
     assert_close(torch.tensor(info["mean"] + info["std"]), torch.tensor([sum(HF_MEAN) / 3, sum(HF_STD) / 3]))
 
 
+def test_a_merged_hf_export_loads_with_transformers_alone_and_its_pipeline_names_the_classes(
+    hf_dir, fmnist_dir, tmp_path, capsys, monkeypatch
+):
+    from .test_model_cards import run_without_peradapt, snippet
+
+    run, out = tmp_path / "run", tmp_path / "merged"
+    args = run_args(fmnist_dir, run, "--backbone", f"hf:{hf_dir}", "--method", "perada-nokd", "--channels", "3")
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    code, _, err = run_cli(["export", "--run", str(run), "--out", str(out), "--merge"], capsys, monkeypatch)
+    assert code == 0, err
+    target = out / "clients" / "1"
+    assert {"config.json", "model.safetensors", "preprocessor_config.json", "README.md"} <= {
+        p.name for p in target.iterdir()
+    }
+    config, resolved = read_run_config(run)
+    session = build_session(config, read_partition(run))
+    test = session.data.clients[1].test.subset(torch.arange(8))
+    expected = session.trainer.logits(session.model.load_pretrained(run / "clients" / "1"), test)
+    torch.save(session.trainer.inputs(test.images).contiguous(), tmp_path / "inputs.pt")
+    body = (target / "README.md").read_text()
+    check = f"""
+{snippet(body)}
+import json
+
+from PIL import Image
+from transformers import pipeline
+
+inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+with torch.no_grad():
+    logits = model(pixel_values=inputs).logits
+labels = [answer["label"] for answer in pipeline("image-classification", model=root)(Image.new("RGB", (40, 30)))]
+assert "peradapt" not in sys.modules
+print(json.dumps([logits.tolist(), labels, model.config.id2label]))
+"""
+    logits, labels, id2label = json.loads(run_without_peradapt(check, target))
+    assert_close(torch.tensor(logits), expected, atol=1e-4, rtol=1e-4)
+    assert id2label == {str(i): name for i, name in enumerate(resolved["classes"])}
+    assert set(labels) <= set(resolved["classes"]) and labels
+
+
 def test_hf_mistakes_are_one_line_errors(hf_dir, fmnist_dir, tmp_path, capsys, monkeypatch):
     missing = tmp_path / "nowhere"
     args = run_args(fmnist_dir, tmp_path / "run", "--backbone", f"hf:{missing}")

@@ -14,21 +14,37 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-import yaml
+from huggingface_hub import EvalResult, ModelCardData
 
 from peradapt.backbones import fixed_image_size
 from peradapt.backbones.hf import HF_PREFIX, is_hf
 from peradapt.config import TrainConfig
+from peradapt.data import hfdata
+from peradapt.data.sources import source_kind
+from peradapt.errors import ConfigError
 
 CARD_FILE = "README.md"
 TAGS = ("peradapt", "federated-learning", "personalization")
 ADAPTER_TAGS = {"residual": "residual-adapter", "lora": "lora", "none": "full-model"}
 FEDERATION_ROWS = 100  # a federation card lists this many clients' scores; each client's own card has its own
 METRIC_LABELS = {"accuracy": "accuracy", "auc": "AUC"}
+METRIC_TYPES = {"accuracy": "accuracy", "auc": "roc_auc"}  # the Hub's names of the metrics, for model-index
+# The Hugging Face Hub datasets that built-in sources are (a card's `datasets`); others are named where they come
+# from the Hub (`hf:NAME`), else not at all.
+HUB_DATASETS = {
+    "fmnist": "zalando-datasets/fashion_mnist",
+    "cifar10": "uoft-cs/cifar10",
+    "cifar100": "uoft-cs/cifar100",
+    "svhn": "ufldl-stanford/svhn",
+}
+# A license as the Hub's metadata takes it: its identifier (apache-2.0, mit, cc-by-nc-4.0, other, ...).
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
 
 
 @dataclass(frozen=True)
@@ -42,30 +58,45 @@ class HubTarget:
 class RunCards:
     """The cards of one finished run's export (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, resolved: dict, report: dict, hub: HubTarget | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        resolved: dict,
+        report: dict,
+        hub: HubTarget | None = None,
+        *,
+        license: str | None = None,
+        merged: bool = False,
+    ) -> None:
+        """`license`: the license the cards declare (`export --license`); None: the backbone weights' own where
+        their Hub config names one, else none. `merged`: the export holds merged models (`export --merge`)."""
         self.config, self.resolved, self.report, self.hub = config, resolved, report, hub
+        self.merged = merged
         self.backbone = config.backbone.backbone
         self.kind = resolved.get("adapter", "residual")
         self.scope = resolved.get("scope", "adapter")
         self.method = report.get("method", config.method.method)
-        self.metric = METRIC_LABELS.get(report.get("metric", "accuracy"), report.get("metric", "accuracy"))
+        self.metric_key = report.get("metric", "accuracy")
+        self.metric = METRIC_LABELS.get(self.metric_key, self.metric_key)
         self.clients: list[int] = report["clients"]
         self.position = {client: index for index, client in enumerate(self.clients)}
         personal_global = report["personalized"]["global_test"]
         sampled = personal_global.get("clients", self.clients)  # a large federation: a sample of the clients
         self.personal_global = dict(zip(sampled, personal_global["per_client"], strict=False))
-        self.hub_model, self.license = _hub_origin(self.backbone, config.backbone.weights, resolved.get("weights"))
+        self.hub_model, hub_license = _hub_origin(self.backbone, config.backbone.weights, resolved.get("weights"))
+        self.license = check_license(license) if license is not None else hub_license
+        self.data, self.hub_dataset = public_data(report["data"])
         self.second_head = _has_second_head(self.method)
         # timm's registry is slow to ask (thousands of names): asked once for every card of the run
         self.native_size = None if is_hf(self.backbone) else fixed_image_size(self.backbone)
         self.peradapt_backbone = not is_hf(self.backbone) and _registered_by_peradapt(self.backbone)
-        self.front_matter = _front_matter(self._metadata())
+        self.metadata = self._metadata()
 
     # ------------------------------------------------------------------------------------------------ the cards
 
     def adapter(self, client: int | None) -> str:
         """The card of client `client`'s personalized adapter, or of the global adapter (`client=None`)."""
-        noun, data = self._model_noun(), self.report["data"]
+        noun, data = self._model_noun(), self.data
         if client is None:
             title = f"Global {noun} of a {self.method} federation on {data}"
             what = f"The global {noun} of {self._federation()}: the model the server holds after the last round."
@@ -78,14 +109,14 @@ class RunCards:
             )
             whose = f"client {client}'s personalized model"
         sections = [
-            self.front_matter,
+            self._front_matter(title, self._scores(client)),
             f"# {title}",
             what,
             self._facts_table(whose, client),
             "## Results",
             self._results(client),
             "## Use it",
-            self._usage("global" if client is None else f"clients/{client}"),
+            self._usage("global" if client is None else f"clients/{client}", own_card=True),
         ]
         return "\n\n".join(sections) + "\n"
 
@@ -96,7 +127,9 @@ class RunCards:
             f"- `global/`: the global {noun}, with its card;",
             f"- `clients/<id>/`: each client's personalized {noun}, with its card "
             f"({_count(len(self.clients), 'client')}: {id_ranges(self.clients)});",
-            f"- {self._backbone_files()}: the backbone and its input normalization.",
+            f"- {self._backbone_files()}: the backbone and its input normalization."
+            if not self.merged
+            else f"- each directory holds a whole {self._library()} model, the adapters merged into the backbone.",
         ]
         if self.hub is not None:
             contents.append(
@@ -111,9 +144,10 @@ class RunCards:
                 "trains one from the global model."
             )
         first = self.hub.clients[0] if self.hub is not None and self.hub.clients else self.clients[0]
+        title = f"{self.method} on {self.data}: a federation of {_count(len(self.clients), 'client')}"
         sections = [
-            self.front_matter,
-            f"# {self.method} on {self.report['data']}: a federation of {_count(len(self.clients), 'client')}",
+            self._front_matter(title, self._scores("federation")),
+            f"# {title}",
             f"{_sentence(self._federation())}: the global {noun} and every client's personalized {noun}.",
             self._facts_table("every client's personalized model and the global model, each", None),
             "## Contents",
@@ -131,20 +165,71 @@ class RunCards:
     # ------------------------------------------------------------------------------------------------ parts
 
     def _metadata(self) -> dict[str, Any]:
-        """The card's front matter: the Hub's model-card metadata."""
+        """The Hub's model-card metadata every card of the run shares (each adds its own `model-index`)."""
         # PEFT layout (adapter_config.json + adapter_model.safetensors), else one state file of the whole network
-        library = "peft" if self.scope != "full" else "transformers" if is_hf(self.backbone) else "timm"
+        library = "peft" if self.scope != "full" and not self.merged else self._library()
         metadata: dict[str, Any] = {"library_name": library}
         if self.hub_model is not None:
             metadata["base_model"] = self.hub_model
         if self.license is not None:
             metadata["license"] = self.license
+        if self.hub_dataset is not None:
+            metadata["datasets"] = [self.hub_dataset]
         metadata["pipeline_tag"] = "image-classification"
-        metadata["tags"] = [*TAGS, self.method, ADAPTER_TAGS.get(self.kind, self.kind)]
+        metadata["tags"] = [*TAGS, self.method, ADAPTER_TAGS.get(self.kind, self.kind), *(["merged"] * self.merged)]
         return metadata
 
+    def _library(self) -> str:
+        return "transformers" if is_hf(self.backbone) else "timm"
+
+    def _front_matter(self, name: str, scores: list[tuple[str, str, float | None]]) -> str:
+        """YAML front matter: the shared metadata and a `model-index` of `scores` (what was scored on which test
+        data, the value), as `huggingface_hub.ModelCardData` writes them (the Hub shows them as evaluation
+        results). Undefined scores (no test images) are left out."""
+        results = [
+            EvalResult(
+                task_type="image-classification",
+                dataset_type=self.hub_dataset or self.data,
+                dataset_name=f"{self.data}: {test_data}",
+                dataset_split="test",
+                metric_type=METRIC_TYPES.get(self.metric_key, self.metric_key),
+                metric_name=f"{who}, {self.metric}",
+                metric_value=round(100 * value, 2),
+            )
+            for who, test_data, value in scores
+            if value is not None and not math.isnan(value)
+        ]
+        card_data = ModelCardData(**self.metadata, model_name=name, eval_results=results or None)
+        return "---\n" + card_data.to_yaml() + "\n---"
+
+    def _scores(self, client: int | str | None) -> list[tuple[str, str, float | None]]:
+        """The scores of a card's model-index: (model, test data, value) of `client`'s personalized model, of the
+        global model (None) or of the whole federation ("federation")."""
+        personal, global_ = self.report["personalized"], self.report["global"]
+        local_mean = "each client's own test split (local-test), mean over clients"
+        if client == "federation":
+            return [
+                ("personalized models", local_mean, personal["local_test"]["mean"]),
+                ("global model", "all clients' test data (global-test)", global_["global_test"]),
+            ]
+        if client is None:
+            return [
+                ("global model", "all clients' test data (global-test)", global_["global_test"]),
+                ("global model", local_mean, global_["local_test"]["mean"]),
+            ]
+        assert isinstance(client, int)
+        index = self.position[client]
+        return [
+            (
+                "personalized model",
+                f"client {client}'s test split (local-test)",
+                _at(personal["local_test"]["per_client"], index),
+            ),
+            ("personalized model", "all clients' test data (global-test)", self.personal_global.get(client)),
+        ]
+
     def _model_noun(self) -> str:
-        return "model" if self.scope == "full" else "adapter"
+        return "model" if self.scope == "full" or self.merged else "adapter"
 
     def _federation(self) -> str:
         return (
@@ -191,6 +276,11 @@ class RunCards:
             kind += "; plus a personal linear head whose logits are added to the classifier's"
         if trainable and total:
             kind += f" ({trainable:,} trainable parameters; the backbone has {total:,})"
+        if self.merged:
+            kind += (
+                f"; **merged**: folded into the backbone's weights (`peradapt export --merge`), a plain "
+                f"{self._library()} model with the same outputs in eval mode, which loads without peradapt"
+            )
         return kind
 
     def _backbone_description(self) -> str:
@@ -206,8 +296,9 @@ class RunCards:
             parts.append(f"[{self.hub_model}](https://huggingface.co/{self.hub_model})")
         if described and described != source:
             parts.append(described)
-        if source:
-            parts.append(f"from `{source}`")
+        public = public_weights(source)
+        if public and self.hub_model is None:
+            parts.append(f"from `{public}`")
         fingerprint = self.resolved.get("backbone_sha256")
         if fingerprint:
             parts.append(f"fingerprint (SHA-256 of its tensors but the head, and its normalization) `{fingerprint}`")
@@ -216,7 +307,9 @@ class RunCards:
     def _data_description(self) -> str:
         channels, size, classes = (self.resolved.get(k) for k in ("channels", "image_size", "num_classes"))
         shape = f": {channels}-channel {size}×{size} px images, {classes} classes" if channels and size else ""
-        return f"`{self.report['data']}`{shape}"
+        classes = self.resolved.get("classes") or self.report.get("classes")
+        names = f"; classes, in the order of the logits: {', '.join(classes)}" if classes else ""
+        return f"`{self.data}`{shape}{names}"
 
     def _training_description(self) -> str:
         fed = self.config.federation
@@ -357,8 +450,11 @@ class RunCards:
         train with the whole network, saved as one state file without a PEFT adapter config."""
         return self.second_head or (self.scope == "full" and self.kind != "none")
 
-    def _usage(self, target: str) -> str:
-        """How to load the model in `target` (a directory of the export) and feed it: code, then a note."""
+    def _usage(self, target: str, *, own_card: bool = False) -> str:
+        """How to load the model in `target` (a directory of the export) and feed it: code, then a note. `own_card`:
+        for the card in `target` (a merged model's code then runs from inside its directory)."""
+        if self.merged:
+            return self._merged_usage(target, own_card)
         hf_backbone, reasons = is_hf(self.backbone), self._needs_peradapt()
         channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
         standard = ["import json", *(["from pathlib import Path"] if self._peradapt_api() else [])]
@@ -370,7 +466,7 @@ class RunCards:
         if not hf_backbone or self.scope == "full":
             third_party.append("from safetensors.torch import load_file")
         third_party.append("from transformers import AutoModelForImageClassification" if hf_backbone else "import timm")
-        lines = [*standard, "", *sorted(third_party, key=lambda line: (line.startswith("from"), line.split()[1]))]
+        lines = [*standard, "", *sorted(third_party, key=_import_order)]
         if reasons:
             lines += ["", f"# pip install peradapt: {reasons}", "import peradapt"]
         lines.append("")
@@ -391,11 +487,64 @@ class RunCards:
                 'backbone.load_state_dict(load_file(f"{root}/backbone.safetensors"))',
             ]
         lines += self._model_lines(target)
+        lines += ["", 'normalization = json.load(open(f"{root}/backbone.json"))', *self._preprocessing("normalization")]
+        lines.append(f"#     logits = model(preprocess(images)){'.logits' if self._returns_output() else ''}")
+        return self._code_and_note(lines, "`backbone.json`")
+
+    def _merged_usage(self, target: str, own_card: bool) -> str:
+        """How to load the merged model in `target` with timm or transformers alone, and feed it: from inside its
+        directory for its own card (`own_card`), else from the export's directory; from the Hub when pushed."""
+        third_party = ["import torch"]
+        if self.hub is not None:
+            third_party.append("from huggingface_hub import snapshot_download")
+        if is_hf(self.backbone):
+            third_party.append("from transformers import AutoImageProcessor, AutoModelForImageClassification")
+        else:
+            third_party += ["import timm", "from safetensors.torch import load_file"]
+        lines = [*([] if is_hf(self.backbone) else ["import json", ""]), *sorted(third_party, key=_import_order), ""]
+        if self.hub is not None:
+            patterns = json.dumps([f"{target}/*"])
+            lines.append(
+                f'root = snapshot_download({json.dumps(self.hub.repo_id)}, allow_patterns={patterns}) + "/{target}"'
+            )
+        else:
+            where = "." if own_card else target
+            lines.append(f"root = {json.dumps(where)}  # the model's directory (holding config.json)")
+        if is_hf(self.backbone):
+            lines += [
+                "processor = AutoImageProcessor.from_pretrained(root)",
+                "model = AutoModelForImageClassification.from_pretrained(root).eval()",
+                "",
+                "# with torch.no_grad():",
+                '#     logits = model(**processor(images=pil_images, return_tensors="pt")).logits',
+                "# model.config.id2label[i] names class i",
+            ]
+            if self.resolved.get("channels") == 3:
+                lines += ['# or: transformers.pipeline("image-classification", model=root)(pil_image)']
+            note = (
+                "`preprocessor_config.json` resizes images to the model's square (bilinear), scales the pixels to "
+                "[0, 1] and normalizes them with the run's mean and std, as peradapt did in training and evaluation."
+            )
+            return f"```python\n{chr(10).join(lines)}\n```\n\n{note}"
         lines += [
-            "",
-            'normalization = json.load(open(f"{root}/backbone.json"))',
-            'mean = torch.tensor(normalization["mean"]).view(1, -1, 1, 1)',
-            'std = torch.tensor(normalization["std"]).view(1, -1, 1, 1)',
+            'config = json.load(open(f"{root}/config.json"))',
+            'model = timm.create_model(config["architecture"], **config["model_args"])',
+            'model.load_state_dict(load_file(f"{root}/model.safetensors"))',
+            "model.eval()",
+            '# timm can also read the directory itself: timm.create_model(f"local-dir:{root}", pretrained=True)',
+            'classes = config["label_names"]  # classes[i] names logit i',
+            *self._preprocessing('config["pretrained_cfg"]'),
+            "#     logits = model(preprocess(images))",
+        ]
+        return self._code_and_note(lines, "`config.json`")
+
+    def _preprocessing(self, statistics: str) -> list[str]:
+        """Code: `mean` and `std` from the dict expression `statistics`, and `preprocess`, as peradapt feeds its
+        models; it ends with a commented call, which the caller completes."""
+        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
+        return [
+            f'mean = torch.tensor({statistics}["mean"]).view(1, -1, 1, 1)',
+            f'std = torch.tensor({statistics}["std"]).view(1, -1, 1, 1)',
             "",
             "",
             "def preprocess(images: torch.Tensor) -> torch.Tensor:",
@@ -408,15 +557,16 @@ class RunCards:
             "",
             "",
             "# with torch.no_grad():",
-            f"#     logits = model(preprocess(images)){'.logits' if self._returns_output() else ''}",
         ]
-        code = "\n".join(lines)
+
+    def _code_and_note(self, lines: list[str], statistics_file: str) -> str:
+        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
         note = (
             f"The model takes {channels}-channel {size}×{size} px images: `preprocess` resizes others (bilinear, "
-            "antialiased), scales the pixels to [0, 1] and normalizes them with the mean and std in `backbone.json`, "
-            "as peradapt did in training and evaluation."
+            "antialiased), scales the pixels to [0, 1] and normalizes them with the mean and std in "
+            f"{statistics_file}, as peradapt did in training and evaluation."
         )
-        return f"```python\n{code}\n```\n\n{note}"
+        return f"```python\n{chr(10).join(lines)}\n```\n\n{note}"
 
     def _returns_output(self) -> bool:
         """Whether the loaded model answers with a transformers ModelOutput (peradapt's model gives logits)."""
@@ -458,8 +608,9 @@ class RunCards:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _front_matter(metadata: dict[str, Any]) -> str:
-    return "---\n" + yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True) + "---"
+def _import_order(line: str) -> tuple[bool, str]:
+    """isort's order of third-party imports: `import x` lines, then `from x import y`, each by module."""
+    return line.startswith("from"), line.split()[1]
 
 
 def _sentence(text: str) -> str:
@@ -499,6 +650,41 @@ def id_ranges(ids: list[int]) -> str:
         else:
             ranges.append([client, client])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def public_data(spec: str) -> tuple[str, str | None]:
+    """How an export names data source `spec` without a path of the machine it ran on (a folder by its name), and
+    the Hugging Face Hub dataset it is, where known."""
+    kind = source_kind(spec)
+    if kind == spec:
+        return spec, HUB_DATASETS.get(spec)
+    rest = spec.removeprefix(f"{kind}:")
+    if kind == "hf" and not (Path(rest).expanduser().exists() or hfdata.looks_like_path(rest)):
+        return rest, rest.partition(":")[0]  # a Hub dataset (NAME or NAME:CONFIG)
+    name = Path(rest.rstrip("/")).expanduser().name or "data"
+    return (f"{name} (an image folder)" if kind == "imagefolder" else f"{name} (a local Hugging Face dataset)"), None
+
+
+def public_weights(source: str | None) -> str | None:
+    """Where backbone weights came from, without a path of the machine: a Hub model or URL as it is, a local file
+    or directory by its name."""
+    if not source:
+        return None
+    if source.startswith("Hugging Face Hub "):
+        return source.split(" (", 1)[0]  # without "(cached file PATH)"
+    if urlparse(source).scheme in ("http", "https"):
+        return source
+    return Path(source).name
+
+
+def check_license(license: str) -> str:
+    """`export --license`: a license identifier as the Hub's metadata takes it."""
+    if not _LICENSE_ID.fullmatch(license):
+        raise ConfigError(
+            f"--license {license!r}: give a license identifier as the Hugging Face Hub lists them, e.g. apache-2.0, "
+            "mit, cc-by-4.0, cc-by-nc-4.0 or other"
+        )
+    return license
 
 
 def _hub_origin(backbone: str, weights_flag: str | None, source: str | None) -> tuple[str | None, str | None]:

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from peradapt.adapters import AdapterState
-from peradapt.adapters.model import ADAPTER_CONFIG_FILE
+from peradapt.adapters.merge import MergedNetwork, merged_network
+from peradapt.adapters.model import ADAPTER_CONFIG_FILE, FULL_MODEL_FILE
 from peradapt.backbones import BackboneInfo, save_backbone
 from peradapt.backbones.hf import is_hf
-from peradapt.commands.cards import CARD_FILE, HubTarget, RunCards, write_cards
+from peradapt.commands.cards import CARD_FILE, HubTarget, RunCards, check_license, public_weights, write_cards
 from peradapt.config import check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError
@@ -239,33 +244,45 @@ def ood_table(result: dict, title: str) -> Table:
     return table
 
 
+MERGED_WEIGHTS = FULL_MODEL_FILE  # model.safetensors, as timm and transformers name a model's weights
 # What `export_run` writes into its directory. A directory of these alone (clients/ and global/ among them) holds an
 # earlier export, which a new one replaces; a directory with anything else in it is never written to.
 _EXPORT_ENTRIES = frozenset({"clients", "global", "backbone.safetensors", "backbone.json", "backbone", CARD_FILE})
 
 
 @reads_run
-def export_run(run_dir: Path, out: Path, *, hub: HubTarget | None = None) -> Path:
+def export_run(
+    run_dir: Path, out: Path, *, hub: HubTarget | None = None, merge: bool = False, license: str | None = None
+) -> Path:
     """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT, and
-    a model card (README.md) for each and for the federation (`hub`: the upload they will describe, if any).
+    a model card (README.md) for each and for the federation (`hub`: the upload they will describe, if any;
+    `license`: the license the cards declare, default the backbone weights' own where known). `merge`: instead,
+    each client's model (and the global one) with its adapters folded into the backbone, a plain timm or
+    transformers model that loads without peradapt (`peradapt.adapters.merge`).
 
     The export is written into a new directory beside `out`, then moved into place: it replaces an earlier export
     at `out` as a whole (no client of an earlier, larger run is left), and a failed export leaves `out` as it was.
     `out` must be new, empty or an earlier export: other files are never overwritten or deleted."""
     out = out.resolve() if out.is_symlink() else out
     _check_export_target(run_dir, out)
+    if license is not None:
+        check_license(license)
     paths = RunPaths(run_dir)
     session = open_run(run_dir)
-    ExportedAdapters.open(session, paths).check_complete()
+    adapters = ExportedAdapters.open(session, paths)
+    adapters.check_complete()
+    if merge:  # what does not merge is refused before anything is written
+        merged_network(session.model, adapters.global_state, session.config.backbone.backbone)
     created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:12]}")
     try:
         staging.mkdir()
-        _write_export(session, paths, staging)
+        _write_export(session, paths, staging, adapters, merge=merge)
         report = read_report(run_dir)
         assert report is not None  # ExportedAdapters.open refuses a run without one
-        write_cards(staging, RunCards(session.config, read_run_config(run_dir)[1], report, hub))
+        cards = RunCards(session.config, read_run_config(run_dir)[1], report, hub, license=license, merged=merge)
+        write_cards(staging, cards)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -289,37 +306,103 @@ def _check_export_target(run_dir: Path, out: Path) -> None:
 
 
 def _is_export(directory: Path) -> bool:
-    """Whether `directory` holds what `export_run` writes and nothing else."""
+    """Whether `directory` holds what `export_run` writes and nothing else (a merged export has no backbone)."""
     entries = {entry.name for entry in directory.iterdir()}
-    backbone = "backbone.safetensors" in entries or "backbone" in entries
-    if not (entries <= _EXPORT_ENTRIES and {"clients", "global"} <= entries and backbone):
+    if not (entries <= _EXPORT_ENTRIES and {"clients", "global"} <= entries):
         return False
     clients = directory / "clients"
     return (directory / "global").is_dir() and clients.is_dir() and all(c.name.isdigit() for c in clients.iterdir())
 
 
-def _write_export(session: Session, paths: RunPaths, out: Path) -> None:
-    for name in ("clients", "global"):
-        shutil.copytree(paths.root / name, out / name)
-    plain = session.model.backbone_state()
+def _write_export(session: Session, paths: RunPaths, out: Path, adapters: ExportedAdapters, *, merge: bool) -> None:
     info = BackboneInfo(
         session.config.backbone.backbone,
         session.data.channels,
         session.data.image_size,
         session.trainer.inputs.mean,
         session.trainer.inputs.std,
-        session.backbone.source,
+        public_weights(session.backbone.source) or "",  # no path of this machine in an export
+        session.class_names,
     )
+    if merge:
+        _write_merged(session, adapters, info, out)
+        return
+    for name in ("clients", "global"):
+        shutil.copytree(paths.root / name, out / name)
+    plain = session.model.backbone_state()
     if not is_hf(info.backbone):
         save_backbone(plain, info, out / "backbone.safetensors")
         return
     # A transformers model directory (config with the task's classes and channels + weights): from_pretrained
     # loads it, and `--backbone hf:OUT/backbone` trains on it again. Its description is OUT/backbone.json, as for timm.
     directory = out / "backbone"
-    session.model.base_model.config.save_pretrained(str(directory))
-    tensors = {k: v.detach().cpu().contiguous() for k, v in plain.items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _save_transformers(session.model.base_model.config, plain, info, directory)
     info.save(directory)  # writes directory.with_suffix(".json")
+
+
+def _write_merged(session: Session, adapters: ExportedAdapters, info: BackboneInfo, out: Path) -> None:
+    """Every client's model and the global one, adapters folded into the backbone (`merged_network`): each a
+    plain timm or transformers model directory, complete in itself."""
+    targets = [(out / "global", adapters.global_state)]
+    targets += [(out / "clients" / str(c.client_id), None) for c in session.federated_clients]
+    for directory, state in targets:
+        state = adapters.personalized(int(directory.name)) if state is None else state
+        merged = merged_network(session.model, state, info.backbone)
+        tensors = merged.network.state_dict()
+        if is_hf(info.backbone):
+            _save_transformers(merged.network.config, tensors, info, directory)
+        else:
+            directory.mkdir(parents=True)
+            save_file(tensors, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
+            config = timm_config(merged, info)
+            (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def timm_config(merged: MergedNetwork, info: BackboneInfo) -> dict:
+    """config.json of a merged timm model, in the layout timm's Hub export writes and `timm.create_model` reads
+    (`hf-hub:` and `local-dir:` names): how to build it with timm alone, its classes and its input."""
+    return {
+        "architecture": merged.architecture,
+        "num_classes": len(info.classes),
+        "model_args": merged.model_args,
+        "label_names": list(info.classes),
+        "pretrained_cfg": {
+            "input_size": [info.in_chans, info.image_size, info.image_size],
+            # peradapt resizes whole images to the square (no crop), bilinearly
+            "interpolation": "bilinear",
+            "crop_pct": 1.0,
+            "crop_mode": "squash",
+            "mean": list(info.mean),
+            "std": list(info.std),
+        },
+    }
+
+
+def _save_transformers(config: Any, tensors: dict[str, torch.Tensor], info: BackboneInfo, directory: Path) -> None:
+    """A transformers model directory: config.json (with the class names as id2label), model.safetensors and
+    preprocessor_config.json (what `AutoImageProcessor` and `pipeline("image-classification")` read: resize to
+    the model's square, scale to [0, 1], normalize with the run's statistics)."""
+    from transformers import ViTImageProcessor
+
+    config = copy.deepcopy(config)
+    config.id2label = dict(enumerate(info.classes))
+    config.label2id = {name: index for index, name in enumerate(info.classes)}
+    config._name_or_path = ""  # where it was loaded from on this machine
+    config.save_pretrained(str(directory))
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
+    processor = ViTImageProcessor(
+        do_resize=True,
+        size={"height": info.image_size, "width": info.image_size},
+        resample=2,  # PIL's bilinear, as peradapt decodes
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=list(info.mean),
+        image_std=list(info.std),
+        do_convert_rgb=info.in_chans == 3,
+    )
+    processor.save_pretrained(str(directory))
 
 
 def _move_into_place(staging: Path, out: Path) -> None:

@@ -17,7 +17,7 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, HTTPError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 
-from peradapt.commands.cards import CARD_FILE, HubTarget, id_ranges
+from peradapt.commands.cards import CARD_FILE, HubTarget, check_license, id_ranges, public_data
 from peradapt.commands.finished_run import export_run
 from peradapt.errors import ConfigError, HubError, RunError
 from peradapt.rundir.layout import read_report, read_run_config
@@ -54,10 +54,19 @@ def select_clients(spec: str, report: dict, run_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def push_export(run_dir: Path, out: Path, repo_id: str, clients: str = "all", *, private: bool = False) -> str:
-    """Export the run to `out` (with cards that name the repository) and upload it to Hugging Face model repository
-    `repo_id` (created if new, `private` then): backbone, global adapter, the adapters of `clients` (see
-    `select_clients`) and the cards. Returns the repository's URL."""
+def push_export(
+    run_dir: Path,
+    out: Path,
+    repo_id: str,
+    clients: str = "all",
+    *,
+    private: bool = False,
+    merge: bool = False,
+    license: str | None = None,
+) -> str:
+    """Export the run to `out` (with cards that name the repository; `merge` and `license` as `export_run` takes
+    them) and upload it to Hugging Face model repository `repo_id` (created if new, `private` then): backbone,
+    global adapter, the adapters of `clients` (see `select_clients`) and the cards. Returns the repository's URL."""
     read_run_config(run_dir)  # a directory that is no run says so
     report = read_report(run_dir)
     if report is None:
@@ -66,8 +75,10 @@ def push_export(run_dir: Path, out: Path, repo_id: str, clients: str = "all", *,
         )
     chosen = select_clients(clients, report, run_dir)
     _check_repo_id(repo_id)
+    if license is not None:
+        check_license(license)
     _check_can_upload()
-    export_run(run_dir, out, hub=HubTarget(repo_id, chosen))
+    export_run(run_dir, out, hub=HubTarget(repo_id, chosen), merge=merge, license=license)
     whole = set(chosen) == set(report["clients"])
     allowed = [*_SHARED_FILES, *(["clients/*"] if whole else [f"clients/{client}/*" for client in chosen])]
     api = HfApi()
@@ -79,7 +90,7 @@ def push_export(run_dir: Path, out: Path, repo_id: str, clients: str = "all", *,
             repo_type="model",
             allow_patterns=allowed,
             delete_patterns=list(_REPLACED),
-            commit_message=f"peradapt export of {report['method']} on {report['data']}: global + "
+            commit_message=f"peradapt export of {report['method']} on {public_data(report['data'])[0]}: global + "
             f"{len(chosen)} client adapters",
         )
     except (HTTPError, OfflineModeIsEnabled) as exc:  # HfHubHTTPError (an answer) is an HTTPError too
@@ -127,9 +138,3 @@ def _why(exc: Exception) -> str:
 def _first_line(exc: Exception) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
-
-
-def _ranges(ids: list[int]) -> str:
-    from peradapt.commands.cards import _id_ranges
-
-    return _id_ranges(ids)

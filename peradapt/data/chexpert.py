@@ -64,7 +64,15 @@ def load_chexpert(
         images=resize_images(grey, None, channels), labels=torch.from_numpy(labels), num_classes=len(TASKS)
     )
     mean, std = channel_statistics(IMAGENET_MEAN, IMAGENET_STD, channels)
-    return SourceData("chexpert", train, None, mean, std, categories=meta_categories(labels, RARE_COMBINATION_IMAGES))
+    return SourceData(
+        "chexpert",
+        train,
+        None,
+        mean,
+        std,
+        categories=meta_categories(labels, RARE_COMBINATION_IMAGES),
+        classes=TASKS,
+    )
 
 
 def read_labels(train_csv: Path) -> tuple[list[str], np.ndarray]:

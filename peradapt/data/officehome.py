@@ -67,7 +67,7 @@ def load_office_home(
     )
     mean, std = channel_statistics(IMAGENET_MEAN, IMAGENET_STD, channels)
     domain_groups = Grouping("domains", np.asarray(domains, dtype=np.int64), DOMAINS)
-    return SourceData("office-home", train, None, mean, std, domains=domain_groups)
+    return SourceData("office-home", train, None, mean, std, domains=domain_groups, classes=tuple(classes))
 
 
 def _find_domain_dirs(data_dir: Path | None) -> list[Path]:

@@ -23,6 +23,7 @@ REPORT = {
     "method": str,
     "data": str,
     "metric?": str,  # runs from before multi-label data lack it
+    "classes?": [str],  # runs from before class names were recorded lack it
     "rounds": int,
     "seed": int,
     "clients": [int],
@@ -51,6 +52,8 @@ RESOLVED = {
     "trainable_parameters?": int,
     "backbone_parameters?": int,
     "backbone_sha256?": str,
+    "classes?": [str],
+    "skipped_images?": [str],  # undecodable images left out (--skip-bad-images)
     "lam_auto?": {"lam": float},
 }
 ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics"
