@@ -1,7 +1,8 @@
 """FedDyn (Acar et al. 2021, Algorithm 1) and Per-FedAvg (Fallah et al. 2020, Algorithm 1) against hand computations.
 
-Every expected value is recomputed here with plain torch autograd on a copy of the tiny model, from the papers'
-objectives and update rules, never by calling the methods' code.
+Every expected value is recomputed here with plain torch autograd on a copy of the tiny model (or on an MLP written
+out from its flat parameters, with its whole Hessian), from the papers' objectives and update rules, never by calling
+the methods' code.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
 from torch.testing import assert_close
 
-from peradapt.data import ClientData
+from peradapt.adapters import inject_adapters
+from peradapt.compute.trainer import InputPipeline, LocalTrainer
+from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
 from peradapt.methods import MethodContext
 from peradapt.methods.fedavg import FINETUNE
@@ -94,7 +98,8 @@ def hand_feddyn_client(trainer, theta_prev, gradient, batches, alpha):
 
 
 def hand_perfedavg(trainer, w_state, groups, variant):
-    """Algorithm 1, lines 8-10: w~ = w - alpha grad f(w; D), then w - beta g (fo) or w - beta (g - alpha d) (hf)."""
+    """Algorithm 1, lines 8-10: w~ = w - alpha grad f(w; D), then w - beta g (fo), w - beta (g - alpha d) (hf), or
+    w - beta (g - alpha hess f(w; D'') g) (exact: the gradient of <grad f(w; D''), g>)."""
     names = names_of(trainer)
     module = module_at(trainer, w_state)
     for group in groups:
@@ -108,6 +113,15 @@ def hand_perfedavg(trainer, w_state, groups, variant):
             set_params(module, {n: w[n] - DELTA * g[n] for n in names})
             minus = grad_f(module, *group[2])
             g = {n: g[n] - ALPHA * (plus[n] - minus[n]) / (2 * DELTA) for n in names}
+        if variant == "exact":
+            set_params(module, w)
+            named = params(module)
+            gradient = torch.autograd.grad(
+                F.cross_entropy(module(group[2][0]), group[2][1]), list(named.values()), create_graph=True
+            )
+            directional = sum((grad * g[n]).sum() for grad, n in zip(gradient, named, strict=True))
+            product = dict(zip(named, torch.autograd.grad(directional, list(named.values())), strict=True))
+            g = {n: g[n] - ALPHA * product[n] for n in names}
         set_params(module, {n: w[n] - LR * g[n] for n in names})
     return values(module, w_state)
 
@@ -205,12 +219,12 @@ def test_feddyn_server_keeps_h_over_all_m_clients_and_corrects_the_mean():
 # ---------------------------------------------------------------- Per-FedAvg client step (Algorithm 1, lines 8-10)
 
 
-@pytest.mark.parametrize("variant", ["fo", "hf"])
+@pytest.mark.parametrize("variant", ["fo", "hf", "exact"])
 def test_perfedavg_local_steps_on_independent_minibatches(variant):
     trainer = tiny_trainer()
     data = image_set(3 * BATCH, seed=3)
     w = perturbed(trainer.model, seed=2)
-    per_step = {"fo": 2, "hf": 3}[variant]
+    per_step = {"fo": 2, "hf": 3, "exact": 3}[variant]
     method = make(PerFedAvg, trainer, perfedavg_variant=variant, local_steps=2)
 
     update = method.client_update(client_of(4, data), w, seed=5)
@@ -236,7 +250,8 @@ def test_perfedavg_epochs_give_a_local_step_per_minibatch_of_an_epoch():
 
 
 def test_perfedavg_hf_difference_approximates_the_hessian_vector_product_of_algorithm_1():
-    """d ~= hess f(w; D'') g: the HF update approximates line 10 as printed, not only the first-order one."""
+    """d ~= hess f(w; D'') g: the HF update approximates line 10 as printed, here, where no ReLU of this tiny net
+    changes sides between w - delta g and w + delta g (where one does: the kinked MLP below)."""
     trainer = tiny_trainer()
     data = image_set(BATCH, seed=3)
     w = perturbed(trainer.model, seed=2)
@@ -247,7 +262,7 @@ def test_perfedavg_hf_difference_approximates_the_hessian_vector_product_of_algo
     trainer.model.load_state(w)
     trainer.model.train()
 
-    d = method.hessian_vector_product({n: w[n] for n in names}, g, (images, labels))
+    d = method.hessian_free_product({n: w[n] for n in names}, g, (images, labels))
 
     module = module_at(trainer, w)
     named = params(module)
@@ -260,8 +275,92 @@ def test_perfedavg_hf_difference_approximates_the_hessian_vector_product_of_algo
 
 
 def test_perfedavg_rejects_an_unknown_variant():  # numeric ranges: TrainConfig.validate (test_validation.py)
-    with pytest.raises(ConfigError, match="fo, hf"):
+    with pytest.raises(ConfigError, match="fo, hf, exact"):
         make(PerFedAvg, tiny_trainer(), perfedavg_variant="so")
+
+
+# ---------------------------------------------------------------- Per-FedAvg's line 10 with the Hessian formed in full
+
+PIXELS, HIDDEN, CLASSES = 3, 4, 3  # a 9-4-3 MLP on 3 x 3 grey images: 55 parameters, a 55 x 55 Hessian
+SHAPES = ((HIDDEN, PIXELS**2), (HIDDEN,), (CLASSES, HIDDEN), (CLASSES,))  # W1, b1, W2, b2: nn.Sequential's order
+SIZES = [int(np.prod(shape)) for shape in SHAPES]
+BIAS_0 = SIZES[0]  # b1[0] in the flat parameters
+
+
+def mlp_loss(theta, images, labels, activation):
+    """f(theta; batch): the MLP's cross-entropy written out from its flat parameters theta = (W1, b1, W2, b2)."""
+    w1, b1, w2, b2 = (chunk.view(shape) for chunk, shape in zip(theta.split(SIZES), SHAPES, strict=True))
+    return F.cross_entropy(activation(images.flatten(1) @ w1.T + b1) @ w2.T + b2, labels)
+
+
+def line_10(theta, batches, activation):
+    """One local step of Algorithm 1 in float64 from w = theta: w~ = w - alpha grad f(w; D), g = grad f(w~; D'),
+    then w - beta (I - alpha H) g with H = hess f(w; D''), the whole 55 x 55 matrix. Returns the step, H g and g."""
+    (images, labels), (images_1, labels_1), (images_2, labels_2) = batches
+    grad_f = torch.func.grad(mlp_loss)
+    g = grad_f(theta - ALPHA * grad_f(theta, images, labels, activation), images_1, labels_1, activation)
+    hessian = torch.autograd.functional.hessian(lambda t: mlp_loss(t, images_2, labels_2, activation), theta)
+    assert hessian.shape == (theta.numel(), theta.numel())
+    return theta - LR * (g - ALPHA * hessian @ g), hessian @ g, g
+
+
+def kinked_problem(activation):
+    """The MLP with `activation` on a client, one local step's minibatches D, D', D'' (float64) and parameters w at
+    which hidden unit 0 of the first image of D'' is off its kink at 0 by half of what the difference steps
+    +- delta g move it: a ReLU there is on at w and on one of w +- delta g, off at the other. Also unit 0's input
+    as a function of the flat parameters."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(PIXELS**2, HIDDEN), activation(), nn.Linear(HIDDEN, CLASSES))
+    pipeline = InputPipeline(mean=(0.5,), std=(0.5,), device=torch.device("cpu"))
+    trainer = LocalTrainer(inject_adapters(module, "none", dropout=0.0, lora_rank=2, scope="full"), pipeline, BATCH)
+    generator = torch.Generator().manual_seed(3)
+    images = torch.randint(0, 256, (3 * BATCH, 1, PIXELS, PIXELS), dtype=torch.uint8, generator=generator)
+    data = ImageSet(images, torch.randint(0, CLASSES, (3 * BATCH,), generator=generator), CLASSES)
+    batches = [(inputs.double(), labels) for inputs, labels in batches_of(trainer, data, seed=5, steps=3)]
+    theta = torch.randn(sum(SIZES), generator=generator, dtype=torch.float64)
+    image = batches[2][0][0].flatten()
+    unit = lambda t: t[: PIXELS**2] @ image + t[BIAS_0]  # noqa: E731  (W1[0] . x + b1[0])
+    theta[BIAS_0] -= unit(theta)  # on the kink
+    _, _, g = line_10(theta, batches, activation())
+    theta[BIAS_0] += DELTA * abs(torch.func.jvp(unit, (theta,), (g,))[1]) / 2
+    return trainer, client_of(0, data), theta, batches, unit
+
+
+def step_of(trainer, client, theta, variant):
+    """The flat parameters one local step of `variant` uploads from the flat theta."""
+    names = names_of(trainer)
+    state = {
+        name: chunk.float().view(shape) for name, chunk, shape in zip(names, theta.split(SIZES), SHAPES, strict=True)
+    }
+    upload = make(PerFedAvg, trainer, perfedavg_variant=variant, local_steps=1).client_update(client, state, 5).upload
+    return torch.cat([upload[name].double().flatten() for name in names])
+
+
+@pytest.mark.parametrize("activation", [nn.Tanh, nn.ReLU])
+def test_perfedavg_exact_step_is_line_10_with_the_hessian_formed_in_full(activation):
+    trainer, client, theta, batches, _ = kinked_problem(activation)
+
+    step = step_of(trainer, client, theta, "exact")
+
+    expected, _, _ = line_10(theta, batches, activation())
+    assert_close(step, expected, **TOL)
+    assert not torch.allclose(step_of(trainer, client, theta, "fo"), expected, **TOL)  # the Hessian term counts
+
+
+def test_perfedavg_hf_differs_from_line_10_where_a_relu_unit_changes_sides():
+    """The central difference d = [grad f(w + delta g) - grad f(w - delta g)] / (2 delta) is H g only where the
+    gradient is smooth: with a ReLU on at one of w +- delta g and off at the other, d takes the jump of that image's
+    gradient over 2 delta. The same network with tanh, no kink, agrees."""
+    relative_errors = {}
+    for activation in (nn.Tanh, nn.ReLU):
+        trainer, client, theta, batches, unit = kinked_problem(activation)
+        _, product, g = line_10(theta, batches, activation())
+        d = (step_of(trainer, client, theta, "hf") - theta) / (LR * ALPHA) + g / ALPHA  # from w - beta (g - alpha d)
+        relative_errors[activation] = ((d - product).norm() / product.norm()).item()
+    sides = [unit(theta + sign * DELTA * g) for sign in (1, -1)]  # of the last network, the ReLU one
+    assert unit(theta) > 0 and min(sides) < 0 < max(sides)
+    assert relative_errors[nn.Tanh] < 1e-2  # float32 rounding over 2 delta: ~5e-4
+    assert relative_errors[nn.ReLU] > 0.5
 
 
 # ---------------------------------------------------------------- Per-FedAvg server and personalization
