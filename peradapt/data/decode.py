@@ -15,21 +15,37 @@ Two ways to fit an image to the square (``resize``):
   (datasets/chexpert.py) prepares CheXpert test images.
 
 `decode_pictures` does the same for sources whose format peradapt does not know in advance (``imagefolder:PATH``,
-``hf:NAME``): files or encoded bytes, grey when every picture is grey and RGB otherwise, at a given size or at the
-pictures' own. Its entries are ``<name>-<size>px-<key>.npy`` or ``<name>-native-<key>.npy`` (``-center-crop``
-before the key when cropped), the key hashing the way of fitting and what the caller says identifies the pictures.
+``hf:NAME``): files or encoded bytes, grey when every picture is grey and RGB otherwise, at a given size or, by
+default, at the most common size among them (the longer side of the most common width × height, at most
+DECODED_IMAGE_SIZE), which it prints with how many pictures it resizes: a folder of 28 px PNGs with a few larger
+JPEGs stays 28 px instead of being scaled up. Its entries are ``<name>-<size>px-<key>.npy`` or
+``<name>-native-<key>.npy`` (``-center-crop`` before the key when cropped), the key hashing the way of fitting and
+what the caller says identifies the pictures (which of a source's rows they are, with ``--limit-samples``).
+
+Undecodable pictures are collected, never reported one at a time: the headers of all are read first (a picture
+without a readable header stops the load before any is decoded), then every failure while decoding; one error
+names how many, the first ten, and the file under ``$PERADAPT_HOME/bad-images/`` that lists them all with the
+reason (there, since no run directory exists yet while data loads, and ``eval --ood`` writes none).
+`find_bad_pictures` checks every picture of a source at once (its header, then its pixels decoded at the JPEG
+decoder's smallest scale), for ``--skip-bad-images``: the sources leave those out before the fixed split, so the
+split of a given set of files does not depend on which of them a run decodes. Its result is cached under the
+same key as the pictures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
+import json
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -42,6 +58,8 @@ if TYPE_CHECKING:
     import PIL.Image
 
 CACHE_VERSION = 1  # part of the key: raise it when decoding changes, so that no older array is reused
+# The same for `decode_pictures`' entries alone: 2 since its default size is the most common one.
+PICTURES_VERSION = 2
 RESIZES = ("squeeze", "center-crop")
 _CHANNELS = {"L": 1, "RGB": 3}
 # PIL modes whose pictures hold no colour: decoded as L (one channel) when every picture of a source has one.
@@ -50,6 +68,27 @@ GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", 
 Picture = Path | bytes
 # Pillow releases the GIL while it decodes and resizes, so threads use every core.
 _WORKERS = min(8, os.cpu_count() or 1)
+# Undecodable pictures named in an error message; the file it points to lists them all.
+_NAMED_BAD = 10
+# What to do about undecodable pictures: the sources whose loading can leave them out, and the others.
+SKIP_REMEDY = "replace or remove them, or pass --skip-bad-images"
+REPLACE_REMEDY = "replace or remove them"
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class BadPicture:
+    """A picture that cannot be decoded: its place among a source's pictures, its name in an error message (a
+    file's folder and name, a dataset's row), its full name in the list of them (a file's path), and why."""
+
+    index: int
+    name: str
+    full_name: str
+    reason: str
+
+
+class _Undecodable(Exception):
+    """A picture Pillow cannot read; the message says why."""
 
 
 def decode_images(files: Sequence[Path], size: int, mode: str, *, name: str, resize: str = "squeeze") -> torch.Tensor:
@@ -68,25 +107,57 @@ def decode_images(files: Sequence[Path], size: int, mode: str, *, name: str, res
     if cached is not None:
         return torch.from_numpy(cached)
     decode = functools.partial(_decode_file, size=size, mode=mode, resize=resize)
-    return _decode_and_cache(np.empty(shape, dtype=np.uint8), lambda index: decode(files[index]), name, path)
+    images = np.empty(shape, dtype=np.uint8)
+    bad = _decode_into(images, lambda index: decode(files[index]), name, lambda index: _names(files, index, None))
+    if bad:
+        raise bad_pictures_error(name, name, bad, REPLACE_REMEDY)
+    return _cached(images, path)
 
 
-def _decode_and_cache(images: np.ndarray, decode: Callable[[int], np.ndarray], name: str, path: Path) -> torch.Tensor:
-    """`images[i] = decode(i)` for every image, in threads with a progress bar, then cached at `path`."""
+def _decode_into(
+    images: np.ndarray,
+    decode: Callable[[int], np.ndarray],
+    name: str,
+    names: Callable[[int], tuple[str, str]],
+) -> list[BadPicture]:
+    """`images[i] = decode(i)` for every image, in threads with a progress bar; the pictures that failed."""
     console = text_console(stderr=True)
     description = f"decoding {len(images)} {name} images to {images.shape[-1]} px (once: they are cached)"
     if not console.is_terminal:  # logs get one line instead of a live bar
         console.print(description)
+    bad: list[BadPicture] = []
     with progress_display(console) as progress, ThreadPoolExecutor(_WORKERS) as pool:
         bar = progress.add_task(description, total=len(images))
-        for index, pixels in enumerate(pool.map(decode, range(len(images)))):
-            images[index] = pixels
+        for index, pixels in enumerate(pool.map(_caught(decode), range(len(images)))):
+            if isinstance(pixels, _Undecodable):
+                bad.append(BadPicture(index, *names(index), str(pixels)))
+            else:
+                images[index] = pixels
             progress.advance(bar)
+    return bad
+
+
+def _cached(images: np.ndarray, path: Path) -> torch.Tensor:
+    """``images`` as a tensor, written to the cache at ``path`` first."""
     try:
         _write_atomic(path, images)
     except OSError as err:  # the cache only saves time: a full disk must not stop the run
-        console.print(f"could not cache the decoded images in {path} ({err}); the next run decodes them again")
+        text_console(stderr=True).print(
+            f"could not cache the decoded images in {path} ({err}); the next run decodes them again"
+        )
     return torch.from_numpy(images)
+
+
+def _caught(function: Callable[[int], _T]) -> Callable[[int], _T | _Undecodable]:
+    """``function``, returning rather than raising an undecodable picture's error (so that a pool goes on)."""
+
+    def call(index: int) -> _T | _Undecodable:
+        try:
+            return function(index)
+        except _Undecodable as err:
+            return err
+
+    return call
 
 
 def decode_pictures(
@@ -94,25 +165,28 @@ def decode_pictures(
     pictures: Callable[[], Sequence[Picture]],
     *,
     name: str,
+    source: str,
     key: str,
     size: int | None,
     default_size: int,
     resize: str = "squeeze",
     where: Callable[[int], str] | None = None,
+    remedy: str = SKIP_REMEDY,
 ) -> torch.Tensor:
-    """uint8 ``[count, C, S, S]`` of ``count`` pictures of a source whose format is not known in advance.
+    """uint8 ``[count, C, S, S]`` of ``count`` pictures of ``source`` (as the user named it, for messages), a
+    source whose format is not known in advance.
 
     C is 1 when every picture is grey (a PIL mode in GREY_MODES), else 3 (grey pictures of a colour source are
-    repeated). S is ``size``; ``None``: the pictures' own side when all are squares of one side no larger than
-    ``default_size`` (a 32 px set stays 32 px), else ``default_size``. ``key`` identifies the pictures (their
-    files' paths, sizes and times, a dataset's fingerprint): the cache entry of an unchanged ``key`` is read
-    without calling ``pictures()``, which gives the pictures otherwise. ``where(i)`` names picture ``i`` in errors
-    about bytes (files name themselves).
+    repeated). S is ``size``; ``None``: the most common size among the pictures, at most ``default_size`` (see the
+    module's notes), printed. ``key`` identifies the pictures (their files' paths, sizes and times, a dataset's
+    fingerprint and rows): the cache entry of an unchanged ``key`` is read without calling ``pictures()``, which
+    gives the pictures otherwise. ``where(i)`` names picture ``i`` in errors about bytes (files name themselves).
+    Undecodable pictures are one `bad_pictures_error`, which advises ``remedy``.
     """
     if resize not in RESIZES:
         raise ValueError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     fitting = "" if resize == "squeeze" else f"-{resize}"
-    digest = hashlib.sha256(f"v{CACHE_VERSION} pictures {size} {resize}\n{key}".encode()).hexdigest()[:20]
+    digest = hashlib.sha256(f"v{PICTURES_VERSION} pictures {size} {resize}\n{key}".encode()).hexdigest()[:20]
     path = peradapt_home() / "cache" / f"{name}-{f'{size}px' if size else 'native'}{fitting}-{digest}.npy"
     cached = _read_cache(path, None)
     if cached is not None and cached.shape[0] == count and (size is None or cached.shape[-1] == size):
@@ -122,34 +196,105 @@ def decode_pictures(
         raise ValueError(f"{count} pictures promised, {len(items)} given")
     if not items:
         return torch.empty((0, 3, size or default_size, size or default_size), dtype=torch.uint8)
-    describe = where or (lambda index: f"picture {index}")
-
-    def located(index: int, function: Callable[[], np.ndarray]) -> np.ndarray:
-        try:
-            return function()
-        except DataError as err:
-            if isinstance(items[index], Path):
-                raise
-            raise DataError(f"{describe(index)}: {err}") from err.__cause__
-
-    with ThreadPoolExecutor(_WORKERS) as pool:
-        headers = list(pool.map(lambda i: located(i, lambda: _picture_header(items[i])), range(count)))
+    names = functools.partial(_names, items, where=where)
+    headers, bad = _each_picture(items, _picture_header, names)
+    if bad:  # before any picture is decoded
+        raise bad_pictures_error(name, source, bad, remedy)
     mode = "L" if all(header[0] in GREY_MODES for header in headers) else "RGB"
-    sides = {header[1] for header in headers}
     if size is None:
-        (width, height), *others = sides
-        size = width if not others and width == height and width <= default_size else default_size
+        size, note = common_size([header[1] for header in headers], default_size)
+        text_console(stderr=True).print(f"{source}: {note}", soft_wrap=True)
     images = np.empty((count, _CHANNELS[mode], size, size), dtype=np.uint8)
+    decode = functools.partial(_decode_file, size=size, mode=mode, resize=resize)
+    bad = _decode_into(images, lambda index: decode(items[index]), name, names)
+    if bad:
+        raise bad_pictures_error(name, source, bad, remedy)
+    return _cached(images, path)
 
-    def decode(index: int) -> np.ndarray:
-        return located(index, lambda: _decode_file(items[index], size=size, mode=mode, resize=resize))
 
-    return _decode_and_cache(images, decode, name, path)
+def common_size(sizes: Sequence[tuple[int, int]], bound: int) -> tuple[int, str]:
+    """The side to decode pictures of ``sizes`` (width, height) at by default, and a note saying why: the longer
+    side of the most common size (the larger of those equally common), at most ``bound``."""
+    counts = Counter(sizes)
+    width, height = max(counts, key=lambda wh: (counts[wh], max(wh)))
+    side = min(max(width, height), bound)
+    resized = sum(count for wh, count in counts.items() if wh != (side, side))
+    if len(counts) == 1 and not resized:
+        why = "their size"
+    elif max(width, height) > bound:
+        why = f"their most common size, {width}x{height}, is more than {bound} px; {resized} resized"
+    else:
+        why = f"the most common size; {resized} resized"
+    return side, f"{len(sizes)} images at {side} px ({why}; --image-size to choose)"
+
+
+def find_bad_pictures(
+    count: int, pictures: Callable[[], Sequence[Picture]], *, name: str, key: str, where: Callable[[int], str] | None
+) -> list[BadPicture]:
+    """Every picture of ``count`` that cannot be decoded, each read whole (`_check_picture`): what
+    ``--skip-bad-images`` leaves out. Cached under ``key`` (as `decode_pictures`' ``key``), since the fixed split
+    needs it on every run."""
+    digest = hashlib.sha256(f"v{PICTURES_VERSION} check\n{key}".encode()).hexdigest()[:20]
+    path = peradapt_home() / "cache" / f"{name}-checked-{digest}.json"
+    try:
+        return [BadPicture(**entry) for entry in json.loads(path.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError):
+        pass  # not checked yet, or a damaged record: checked again
+    items = pictures()
+    if len(items) != count:
+        raise ValueError(f"{count} pictures promised, {len(items)} given")
+    _, bad = _each_picture(items, _check_picture, functools.partial(_names, items, where=where))
+    with contextlib.suppress(OSError):  # the record only saves time
+        _write_atomic(path, json.dumps([asdict(picture) for picture in bad]))
+    return bad
+
+
+def bad_pictures_error(name: str, source: str, bad: Sequence[BadPicture], remedy: str) -> DataError:
+    """One error for the undecodable pictures of ``source`` (see `bad_pictures_note`), advising ``remedy``."""
+    return DataError(f"{bad_pictures_note(name, source, bad)}; {remedy}")
+
+
+def bad_pictures_note(name: str, source: str, bad: Sequence[BadPicture]) -> str:
+    """What is wrong with the undecodable pictures of ``source``: how many, the first ten, and the file listing all
+    of them with the reasons, ``$PERADAPT_HOME/bad-images/<name>-<hash>.txt`` (written here)."""
+    listing = "".join(f"{picture.full_name}: {picture.reason}\n" for picture in bad)
+    digest = hashlib.sha256(f"{source}\n{listing}".encode()).hexdigest()[:12]
+    path = peradapt_home() / "bad-images" / f"{name}-{digest}.txt"
+    try:
+        _write_atomic(path, listing)
+        where = f"; the full list is in {path}"
+    except OSError as err:
+        where = f"; the full list could not be written to {path} ({err.strerror})"
+    named = ", ".join(picture.name for picture in bad[:_NAMED_BAD]) + (", ..." if len(bad) > _NAMED_BAD else "")
+    images = "1 image cannot" if len(bad) == 1 else f"{len(bad)} images cannot"
+    return f"{source}: {images} be decoded ({named}){where}"
 
 
 def files_key(files: Sequence[Path]) -> str:
     """What identifies image files for `decode_pictures`: every file's path, size and modification time."""
     return _content_key(files, 0, "", "squeeze")
+
+
+def _each_picture(
+    items: Sequence[Picture], read: Callable[[Picture], _T], names: Callable[[int], tuple[str, str]]
+) -> tuple[list[_T], list[BadPicture]]:
+    """``read`` of every picture, in threads: the results of those it read, and those it could not."""
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        results = list(pool.map(_caught(lambda index: read(items[index])), range(len(items))))
+    bad = [
+        BadPicture(i, *names(i), str(result)) for i, result in enumerate(results) if isinstance(result, _Undecodable)
+    ]
+    return [result for result in results if not isinstance(result, _Undecodable)], bad
+
+
+def _names(items: Sequence[Picture], index: int, where: Callable[[int], str] | None) -> tuple[str, str]:
+    """Picture ``index``'s short and full names: a file's folder and name, and its path; ``where(index)`` (or its
+    index) for bytes."""
+    item = items[index]
+    if isinstance(item, Path):
+        return "/".join(item.parts[-2:]), str(item)
+    named = where(index) if where is not None else f"picture {index}"
+    return named, named
 
 
 def _picture_header(picture: Picture) -> tuple[str, tuple[int, int]]:
@@ -160,15 +305,28 @@ def _picture_header(picture: Picture) -> tuple[str, tuple[int, int]]:
         with Image.open(_opened(picture)) as image:
             return image.mode, image.size
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-        raise DataError(f"cannot decode image {_named(picture)}: {err}; replace it with a good copy") from err
+        raise _Undecodable(_reason(err)) from err
+
+
+def _check_picture(picture: Picture) -> None:
+    """Raise `_Undecodable` unless the whole picture decodes: its header, then its pixels (a JPEG's at the
+    decoder's smallest scale, which still reads all of its data: a truncated file fails)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(_opened(picture)) as image:
+            image.draft(None, (1, 1))
+            image.load()
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+        raise _Undecodable(_reason(err)) from err
+
+
+def _reason(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _opened(picture: Picture) -> Path | io.BytesIO:
     return picture if isinstance(picture, Path) else io.BytesIO(picture)
-
-
-def _named(picture: Picture) -> str:
-    return str(picture) if isinstance(picture, Path) else f"({len(picture)} bytes)"
 
 
 def _content_key(files: Sequence[Path], size: int, mode: str, resize: str) -> str:
@@ -199,12 +357,16 @@ def _read_cache(path: Path, shape: tuple[int, ...] | None) -> np.ndarray | None:
     return array if array.shape == shape else None
 
 
-def _write_atomic(path: Path, images: np.ndarray) -> None:
+def _write_atomic(path: Path, content: np.ndarray | str) -> None:
+    """``content`` (an array as .npy, or UTF-8 text) written to ``path`` whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as handle:
-            np.save(handle, images)
+            if isinstance(content, str):
+                handle.write(content.encode())
+            else:
+                np.save(handle, content)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -220,7 +382,7 @@ def _decode_file(file: Picture, *, size: int, mode: str, resize: str) -> np.ndar
             image.draft(mode, (size, size))
             pixels = np.asarray(fit_picture(image.convert(mode), size, resize), dtype=np.uint8)
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-        raise DataError(f"cannot decode image {_named(file)}: {err}; replace it with a good copy") from err
+        raise _Undecodable(_reason(err)) from err
     return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 

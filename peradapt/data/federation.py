@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from peradapt.config import MIN_BATCH_SIZE
-from peradapt.data.images import ImageSet, SourceData, channel_statistics, fit_images
+from peradapt.data.images import ImageSet, Rows, ScannedSource, SourceData, channel_statistics, fit_images
 from peradapt.data.officehome import DOMAINS as OFFICE_HOME_DOMAINS
 from peradapt.data.partition import (
     PartitionSpec,
@@ -27,7 +27,9 @@ from peradapt.data.sources import (
     SOURCE_PATTERNS,
     is_source_name,
     load_source,
-    load_unlabeled,
+    normalization_statistics,
+    scan_source,
+    scan_unlabeled,
     source_kind,
 )
 from peradapt.errors import ConfigError, DataError
@@ -109,6 +111,7 @@ class FederatedData:
     global_test: ImageSet  # union of all clients' test splits
     partition: dict[str, Any]  # JSON-ready record of the partition, as written to partition.json
     classes: tuple[str, ...] = ()  # the class names, where the source knows them (OOD sets are matched to them)
+    skipped_images: tuple[str, ...] = ()  # undecodable training and test images left out (--skip-bad-images)
 
 
 @dataclass(frozen=True)
@@ -226,13 +229,21 @@ def build_federation(
     resize: str = "squeeze",
     image_column: str | None = None,
     label_column: str | None = None,
+    skip_bad_images: bool = False,
+    normalization_constants: str = "exact",
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
     ``image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
     ``FederatedData.partition``) is reused instead of partitioning anew; so is a ``file:PATH`` partition's file:
     peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`). ``image_column`` and
-    ``label_column`` choose the columns of an ``hf:`` dataset (None: detected).
+    ``label_column`` choose the columns of an ``hf:`` dataset (None: detected); ``skip_bad_images`` leaves out
+    the undecodable images of imagefolder and hf data (and of such --kd-data) before the fixed split.
+    ``normalization_constants``: the statistics of both sources, exact or the authors' (`normalization_statistics`).
+
+    Image files (imagefolder, hf) are counted and labeled first, so that every check that needs no pixels (the
+    pool's size against --clients, a given partition's sizes and indices) comes before decoding, and with
+    ``limit_samples`` only the images the run uses are decoded (`_decode_used`): the split is the same either way.
     """
     spec = parse_partition(partition)
     _check_limit(limit_samples)
@@ -243,29 +254,33 @@ def build_federation(
         _check_domain_clients(dataset, num_clients)
     given = _given_partition(spec, saved_partition, num_clients, limit_samples)  # checked before the slow loading
     layout = _FIXED_SPLIT if given is None else _layout(given.record)
-    columns = {"image_column": image_column, "label_column": label_column}
-    source = load_source(dataset, data_dir, download, image_size, channels=channels, resize=resize, **columns)
-    image_size = image_size or source.train.images.shape[-1]
-    splits = _source_splits(source, limit_samples)
-    pool, test, pool_rows, test_rows = _client_sets(source, splits, layout)
-    if len(pool) < num_clients:
+    options = {"channels": channels, "resize": resize, "image_column": image_column, "label_column": label_column}
+    scanned = scan_source(dataset, data_dir, download, image_size, skip_bad=skip_bad_images, **options)
+    splits = fixed_splits(dataset, scanned.num_train, scanned.num_test, limit_samples=limit_samples)
+    pool_size, test_size = _client_set_sizes(scanned, splits, layout)
+    if pool_size < num_clients:
         raise DataError(
-            f"{num_clients} clients need at least {num_clients} samples; the pool has {len(pool)} "
+            f"{num_clients} clients need at least {num_clients} samples; the pool has {pool_size} "
             "(raise --limit-samples or lower --clients)"
         )
-    groups = _partition_groups(source, spec, pool_rows, test_rows, pool, test)
     if given is None:
-        remedy = _check_room(num_clients, len(pool), limit_samples)
-        parts = _new_parts(spec, groups, num_clients, seed, len(splits.pool) + len(splits.val))
-        _check_filled(parts, f"--partition {spec}", remedy)
+        remedy = _check_room(num_clients, pool_size, limit_samples)
     else:
         reused = given.record
         if _is_authors_layout(reused):
             reused = _authors_record(reused, given.origin, num_clients, seed, splits.val)
         reserved = _reserved_rows(splits, own_kd=kd_source == dataset)
-        parts = _given_parts(reused, given.origin, dataset, num_clients, len(pool), len(test), reserved)
+        parts = _given_parts(reused, given.origin, dataset, num_clients, pool_size, test_size, reserved)
         if given.origin is not _SAVED:  # a run's own partition trained before: --resume keeps its clients
             _check_filled(parts, given.origin.name, given.origin.remedy)
+    own_kd = kd_source == dataset and "kd" in _split_shares(dataset)
+    source, splits = _decode_used(scanned, splits, own_kd=own_kd, limited=limit_samples is not None)
+    image_size = image_size or source.train.images.shape[-1]
+    pool, test, pool_rows, test_rows = _client_sets(source, splits, layout)
+    groups = _partition_groups(source, spec, pool_rows, test_rows, pool, test)
+    if given is None:
+        parts = _new_parts(spec, groups, num_clients, seed, len(splits.pool) + len(splits.val))
+        _check_filled(parts, f"--partition {spec}", remedy)
     clients = [
         ClientData(client, pool.subset(train_part), test.subset(test_part), train_part, test_part)
         for client, (train_part, test_part) in enumerate(zip(parts.train, parts.test, strict=True))
@@ -284,14 +299,18 @@ def build_federation(
         **({"groups": list(groups.names)} if groups.names else {}),
         "clients": [_client_record(client, groups.pool, groups.test, groups.count) for client in clients],
     }
-    kd, kd_mean, kd_std = _kd_images(kd_source, source, image_size, splits, data_dir, download, limit_samples)
+    kd_options = {"download": download, "limit_samples": limit_samples, "skip_bad_images": skip_bad_images}
+    kd, kd_mean, kd_std = _kd_images(
+        kd_source, source, image_size, splits, data_dir, constants=normalization_constants, **kd_options
+    )
+    mean, std = normalization_statistics(source, normalization_constants)
     return FederatedData(
         dataset=dataset,
         num_classes=pool.num_classes,
         channels=source.train.images.shape[1],
         image_size=image_size,
-        mean=source.mean,
-        std=source.std,
+        mean=mean,
+        std=std,
         clients=clients,
         val=source.train.subset(splits.val if parts.val is None else parts.val),
         kd=kd,
@@ -300,7 +319,38 @@ def build_federation(
         global_test=test.subset(np.sort(np.concatenate(parts.test))),
         partition=record,
         classes=source.classes,
+        skipped_images=source.skipped,
     )
+
+
+def _client_set_sizes(scanned: ScannedSource, splits: FixedSplits, layout: str) -> tuple[int, int]:
+    """How many images client train and test indices point into (see `_client_sets`), known before decoding."""
+    if layout == _TRAIN_ROWS:
+        return scanned.num_train, scanned.num_train
+    return len(splits.pool), len(splits.test)
+
+
+def _decode_used(
+    scanned: ScannedSource, splits: FixedSplits, *, own_kd: bool, limited: bool
+) -> tuple[SourceData, FixedSplits]:
+    """The source decoded, with the fixed split's indices into what was decoded. Where --limit-samples cut the
+    split and the source decodes by rows, only the rows the run uses are decoded: the validation images, the
+    client pool, the test images and, when the run distills on it, the KD split (the pretraining split is never a
+    client's, so it comes back empty)."""
+    if not (limited and scanned.by_rows):
+        return scanned.decode(Rows()), splits
+    carved = scanned.num_test == 0  # sources decoded by rows carve their test images when they have none
+    used = [splits.val, splits.pool, *([splits.kd] if own_kd else []), *([splits.test] if carved else [])]
+    train_rows = np.unique(np.concatenate(used))
+    source = scanned.decode(Rows(train=train_rows, test=None if carved else splits.test))
+
+    def within(indices: np.ndarray) -> np.ndarray:
+        return np.searchsorted(train_rows, indices).astype(np.int64)
+
+    empty = np.empty(0, dtype=np.int64)
+    test = within(splits.test) if carved else np.arange(len(splits.test), dtype=np.int64)
+    kd = within(splits.kd) if own_kd else empty
+    return source, FixedSplits(pretrain=empty, val=within(splits.val), kd=kd, pool=within(splits.pool), test=test)
 
 
 def _client_sets(
@@ -431,26 +481,36 @@ def _kd_images(
     image_size: int,
     splits: FixedSplits,
     data_dir: Path | str | None,
+    *,
     download: bool,
     limit_samples: int | None,
+    skip_bad_images: bool,
+    constants: str,
 ) -> tuple[ImageSet, tuple[float, ...], tuple[float, ...]]:
     """The unlabeled distillation images, stored for ``image_size`` with the clients' channels, and the mean and
-    std of their own source for those channels: the source's own KD split, or another source's unlabeled data
-    (`load_unlabeled`: STL-10's unlabeled split, the training images of the others)."""
+    std of their own source for those channels, exact or the authors' (``constants``: `normalization_statistics`):
+    the source's own KD split, or another source's unlabeled data (`scan_unlabeled`: STL-10's unlabeled split, the
+    training images of the others; of image files only the ``limit_samples`` drawn are decoded)."""
     if kd_source == source.name and "kd" in _split_shares(source.name):
         kd_source_data, images = source, source.train.images[splits.kd]
     else:
         try:
             # imagefolder:PATH and hf:NAME are decoded at the model's size; arrays are resized below.
             size = image_size if source_kind(kd_source) != kd_source else None
-            kd_source_data = load_unlabeled(kd_source, data_dir, download, size)
+            scanned = scan_unlabeled(kd_source, data_dir, download, size, skip_bad=skip_bad_images)
+            order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(scanned.num_train)
+            chosen = _head_sorted(order, limit_samples)
+            if scanned.by_rows and limit_samples is not None:
+                kd_source_data = scanned.decode(Rows(train=chosen))
+                images = kd_source_data.train.images
+            else:
+                kd_source_data = scanned.decode(Rows())
+                images = kd_source_data.train.images[chosen].contiguous()
         except DataError as err:  # the default distillation data of some datasets is another dataset
             raise DataError(f"--kd-data {kd_source}: {err}; or distill on other data, e.g. --kd-data digits") from err
-        order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(len(kd_source_data.train))
-        images = kd_source_data.train.images[_head_sorted(order, limit_samples)].contiguous()
     channels = source.train.images.shape[1]
     kd = ImageSet(images=fit_images(images, image_size, channels), labels=None, num_classes=source.train.num_classes)
-    return kd, *channel_statistics(kd_source_data.mean, kd_source_data.std, channels)
+    return kd, *channel_statistics(*normalization_statistics(kd_source_data, constants), channels)
 
 
 def _client_record(client: ClientData, pool_labels: np.ndarray, test_labels: np.ndarray, num_classes: int) -> dict:

@@ -12,26 +12,41 @@ fine_label, ... (``--label-column``: a ClassLabel, whole numbers 0..K-1, or stri
 class indices).
 
 Splits: ``train`` (or the dataset's only split) trains; ``test``, else ``validation``, tests. Without a test split
-the fixed split carves one, as for ``imagefolder:PATH``. Images are decoded once, as there
-(`peradapt.data.decode.decode_pictures`), keyed by the dataset's fingerprint, split and image column, and for a
-local dataset every file's path, size and modification time; nothing is read from ``datasets`` per batch.
+the fixed split carves one, as for ``imagefolder:PATH``. The columns, labels and row counts are read before any
+image is decoded (`scan_hf`), so that ``--limit-samples`` decodes only the rows a run uses. Images are decoded once,
+as there (`peradapt.data.decode.decode_pictures`: the most common size by default, undecodable rows reported
+together or left out with ``--skip-bad-images``), keyed by the dataset's fingerprint, split, image column and
+decoded rows, and for a local dataset every file's path, size and modification time; nothing is read from
+``datasets`` per batch. Inputs are normalized with the training images' own statistics where the backbone's
+weights do not bring theirs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from peradapt.data.decode import Picture, decode_pictures, files_key
+from peradapt.data.decode import (
+    REPLACE_REMEDY,
+    SKIP_REMEDY,
+    Picture,
+    bad_pictures_note,
+    decode_pictures,
+    files_key,
+    find_bad_pictures,
+)
 from peradapt.data.folders import decoded_source
-from peradapt.data.images import ImageSet, SourceData
+from peradapt.data.images import ImageSet, Rows, ScannedSource, SourceData
 from peradapt.errors import ConfigError, DataError
+from peradapt.progress import text_console
 
 PREFIX = "hf:"
 INSTALL_HINT = "pip install 'peradapt[hf-data]'"
@@ -83,7 +98,7 @@ def open_hf(name: str) -> HfDataset:
         head, _, config = spec.rpartition(":")
         if head and Path(head).expanduser().exists():
             raise ConfigError(f"{name}: {head} is a local dataset, which has no configurations: drop ':{config}'")
-        if _looks_like_path(spec):
+        if looks_like_path(spec):
             raise DataError(
                 f"{name}: {path} does not exist; give a save_to_disk directory, parquet file(s), a folder of class "
                 "folders, or a dataset name on the Hugging Face Hub"
@@ -103,7 +118,8 @@ def open_hf(name: str) -> HfDataset:
     return HfDataset(name, splits, key)
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
+    """Whether `spec` (what follows hf:) names a local path rather than a Hub dataset, even where nothing is there."""
     return spec.startswith(("/", "~", ".")) or spec.count("/") > 1 or spec.endswith(".parquet")
 
 
@@ -264,36 +280,159 @@ def _check_labeled(dataset: HfDataset, split: str, column: str, labels: torch.Te
 # ---------------------------------------------------------------- images
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """The rows of a split that a source holds (``kept``; None: all ``size`` of them) and their labels (None:
+    unlabeled)."""
+
+    split: str
+    size: int
+    labels: torch.Tensor | None
+    kept: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.size if self.kept is None else len(self.kept)
+
+    def take(self, rows: np.ndarray | None) -> tuple[np.ndarray | None, torch.Tensor | None]:
+        """The split's rows at the source's ``rows`` (None: all it holds), and their labels."""
+        labels = self.labels if rows is None or self.labels is None else self.labels[torch.as_tensor(rows)]
+        if rows is None:
+            return self.kept, labels
+        return (rows if self.kept is None else self.kept[rows]), labels
+
+
 def decode_split(
-    dataset: HfDataset, split: str, column: str, size: int | None, default_size: int, resize: str
+    dataset: HfDataset,
+    split: str,
+    column: str,
+    rows: np.ndarray | None,
+    size: int | None,
+    default_size: int,
+    resize: str,
+    remedy: str = SKIP_REMEDY,
 ) -> torch.Tensor:
-    """uint8 images of ``split``'s ``column``, decoded once (`decode_pictures`) and cached."""
-    data = dataset.splits[split]
-    fingerprint = getattr(data, "_fingerprint", "")
-    key = f"{dataset.key}\nsplit {split} rows {len(data)} column {column} fingerprint {fingerprint}"
+    """uint8 images of ``split``'s ``column`` at ``rows`` (None: every row), decoded once (`decode_pictures`) and
+    cached; ``remedy``: what its error about undecodable images advises."""
+    chosen = "" if rows is None else f"\nchosen {hashlib.sha256(rows.astype(np.int64).tobytes()).hexdigest()}"
+    row = (lambda index: index) if rows is None else (lambda index: int(rows[index]))
     return decode_pictures(
-        len(data),
-        lambda: _pictures(dataset, split, column),
+        len(dataset.splits[split]) if rows is None else len(rows),
+        lambda: _pictures(dataset, split, column, rows),
         name="hf",
-        key=key,
+        source=dataset.name,
+        key=_split_key(dataset, split, column) + chosen,
         size=size,
         default_size=default_size,
         resize=resize,
-        where=lambda row: f"{dataset.name}: row {row} of split {split}",
+        where=lambda index: f"row {row(index)} of split {split}",
+        remedy=remedy,
     )
 
 
-def _pictures(dataset: HfDataset, split: str, column: str) -> list[Picture]:
-    view = dataset.splits[split].select_columns([column]).with_format("arrow")
+def _split_key(dataset: HfDataset, split: str, column: str) -> str:
+    data = dataset.splits[split]
+    fingerprint = getattr(data, "_fingerprint", "")
+    return f"{dataset.key}\nsplit {split} rows {len(data)} column {column} fingerprint {fingerprint}"
+
+
+def _pictures(dataset: HfDataset, split: str, column: str, rows: np.ndarray | None) -> list[Picture]:
+    view = dataset.splits[split].select_columns([column])
+    view = (view if rows is None else view.select(rows)).with_format("arrow")
     pictures: list[Picture] = []
     for start in range(0, len(view), _READ_ROWS):
         for value in view[start : start + _READ_ROWS][column].to_pylist():
             if isinstance(value, dict):  # an Image feature's storage: encoded bytes, or a file's path
                 value = value.get("bytes") or value.get("path")
             if not (isinstance(value, bytes | str) and value):
-                raise DataError(f"{dataset.name}: row {len(pictures)} of split {split} has no image")
+                row = len(pictures) if rows is None else int(rows[len(pictures)])
+                raise DataError(f"{dataset.name}: row {row} of split {split} has no image")
             pictures.append(value if isinstance(value, bytes) else Path(value))
     return pictures
+
+
+def _without_bad_rows(
+    dataset: HfDataset, column: str, parts: list[SplitRows]
+) -> tuple[list[SplitRows], tuple[str, ...]]:
+    """``parts`` without their undecodable rows (`find_bad_pictures`), and those rows' names; a line says which
+    were left out."""
+    kept, skipped, every = [], [], []
+    for part in parts:
+        bad = find_bad_pictures(
+            part.size,
+            lambda part=part: _pictures(dataset, part.split, column, None),
+            name="hf",
+            key=_split_key(dataset, part.split, column),
+            where=lambda row, part=part: f"row {row} of split {part.split}",
+        )
+        rows = np.setdiff1d(np.arange(part.size), [picture.index for picture in bad]) if bad else None
+        labels = part.labels if rows is None or part.labels is None else part.labels[torch.as_tensor(rows)]
+        kept.append(SplitRows(part.split, part.size, labels, rows))
+        skipped += [picture.name for picture in bad]
+        every += bad
+    if every:
+        text_console(stderr=True).print(
+            f"{bad_pictures_note('hf', dataset.name, every)}; left out (--skip-bad-images)", soft_wrap=True
+        )
+    return kept, tuple(skipped)
+
+
+def scan_hf(
+    name: str,
+    image_size: int | None,
+    default_size: int,
+    *,
+    channels: int | None,
+    resize: str,
+    image_col: str | None = None,
+    label_col: str | None = None,
+    labeled: bool = True,
+    hints: bool = False,
+    skip_bad: bool = False,
+) -> ScannedSource:
+    """Source ``hf:NAME_OR_PATH[:CONFIG]`` opened, its columns found and labels read: its training split and test
+    split (None: carved by the fixed split), to be decoded at ``image_size`` px (None: the most common size up to
+    ``default_size``) with ``channels`` channels (None: the images' own); ``labeled=False`` gives the training
+    split's images unlabeled (distillation data). ``hints``: ``image_col`` and ``label_col`` are taken only where
+    the dataset has such columns (a run's columns for data from elsewhere, whose undecodable images only replacing
+    them mends), detected otherwise. ``skip_bad``: undecodable rows are left out (and named in a printed line)."""
+    dataset = open_hf(name)
+    train, test = dataset.split_names()
+    if hints:
+        image_col, label_col = (_hinted(dataset, train, column) for column in (image_col, label_col))
+    images = image_column(dataset, train, image_col)
+    classes: tuple[str, ...] = ()
+    parts = [SplitRows(train, len(dataset.splits[train]), None)]
+    if labeled:
+        labels_column = label_column(dataset, train, label_col)
+        splits = [train] if test is None else [train, test]
+        labels, classes = read_labels(dataset, splits, labels_column)
+        if test is not None and len(labels[1]) and bool((labels[1] < 0).all()):
+            test = None  # a test split without labels (a benchmark's hidden answers): carved from train instead
+        _check_labeled(dataset, train, labels_column, labels[0])
+        parts = [SplitRows(train, len(labels[0]), labels[0])]
+        if test is not None:
+            _check_column(dataset, test, images, "the image column")
+            _check_labeled(dataset, test, labels_column, labels[1])
+            parts.append(SplitRows(test, len(labels[1]), labels[1]))
+    skipped: tuple[str, ...] = ()
+    if skip_bad:
+        parts, skipped = _without_bad_rows(dataset, images, parts)
+    remedy = REPLACE_REMEDY if hints else SKIP_REMEDY
+
+    def decode(rows: Rows) -> SourceData:
+        train_rows, train_labels = parts[0].take(rows.train)
+        decoded = decode_split(dataset, train, images, train_rows, image_size, default_size, resize, remedy)
+        tested = None
+        if len(parts) > 1:  # at the training images' size, so that both come at one size
+            test_rows, test_labels = parts[1].take(rows.test)
+            assert test is not None and test_labels is not None
+            tested = (
+                decode_split(dataset, test, images, test_rows, decoded.shape[-1], default_size, resize, remedy),
+                test_labels,
+            )
+        return decoded_source(name, (decoded, train_labels), tested, classes, channels, skipped)
+
+    return ScannedSource(len(parts[0]), len(parts[1]) if len(parts) > 1 else 0, decode, True, skipped)
 
 
 def load_hf(
@@ -308,33 +447,9 @@ def load_hf(
     labeled: bool = True,
     hints: bool = False,
 ) -> SourceData:
-    """Source ``hf:NAME_OR_PATH[:CONFIG]``: its training split and test split (None: carved by the fixed split),
-    decoded at ``image_size`` px (None: the images' own side when all are squares up to ``default_size``, else
-    ``default_size``) with ``channels`` channels (None: the images' own); ``labeled=False`` gives the training
-    split's images unlabeled (distillation data). ``hints``: ``image_col`` and ``label_col`` are taken only where
-    the dataset has such columns (a run's columns for data from elsewhere), detected otherwise."""
-    dataset = open_hf(name)
-    train, test = dataset.split_names()
-    if hints:
-        image_col, label_col = (_hinted(dataset, train, column) for column in (image_col, label_col))
-    images = image_column(dataset, train, image_col)
-    if not labeled:
-        decoded = decode_split(dataset, train, images, image_size, default_size, resize)
-        return decoded_source(name, (decoded, None), None, (), channels)
-    labels_column = label_column(dataset, train, label_col)
-    splits = [train] if test is None else [train, test]
-    labels, classes = read_labels(dataset, splits, labels_column)
-    if test is not None and len(labels[1]) and bool((labels[1] < 0).all()):
-        test = None  # a test split without labels (a benchmark's hidden answers): carved from train instead
-    _check_labeled(dataset, train, labels_column, labels[0])
-    if test is not None:
-        _check_column(dataset, test, images, "the image column")
-        _check_labeled(dataset, test, labels_column, labels[1])
-    train_images = decode_split(dataset, train, images, image_size, default_size, resize)
-    test_part = None
-    if test is not None:  # at the training images' size, so that both come at one size
-        test_part = (decode_split(dataset, test, images, train_images.shape[-1], default_size, resize), labels[1])
-    return decoded_source(name, (train_images, labels[0]), test_part, classes, channels)
+    """Every image of source ``hf:NAME_OR_PATH[:CONFIG]``, decoded (see `scan_hf`)."""
+    options = {"image_col": image_col, "label_col": label_col, "labeled": labeled, "hints": hints}
+    return scan_hf(name, image_size, default_size, channels=channels, resize=resize, **options).decode(Rows())
 
 
 def load_hf_split(
@@ -347,7 +462,7 @@ def load_hf_split(
 ) -> tuple[ImageSet, tuple[str, ...], str]:
     """The test split of ``hf:NAME`` (its training split if it has none) at ``image_size`` px, labeled, with its
     class names and the split's name: data from outside a run (OOD sets). ``image_col``, ``label_col``: as the
-    ``hints`` of `load_hf`."""
+    ``hints`` of `scan_hf`."""
     dataset = open_hf(name)
     train, test = dataset.split_names()
     split = test or train
@@ -355,7 +470,7 @@ def load_hf_split(
     images, labels_column = image_column(dataset, split, image_col), label_column(dataset, split, label_col)
     [labels], classes = read_labels(dataset, [split], labels_column)
     _check_labeled(dataset, split, labels_column, labels)
-    decoded = decode_split(dataset, split, images, image_size, image_size, "squeeze")
+    decoded = decode_split(dataset, split, images, None, image_size, image_size, "squeeze", REPLACE_REMEDY)
     source = decoded_source(name, (decoded, labels), None, classes, channels)
     return source.train, classes, split
 

@@ -8,7 +8,7 @@ their bytes (16 GB instead of 0.3 GB).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,6 +26,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 # Resizing converts to float; chunking bounds that temporary copy for large sets such as CIFAR-100.
 _RESIZE_CHUNK = 4096
+# `pixel_statistics` measures at most this many images, spread evenly over a set: plenty for a mean and a std.
+_STATISTICS_SAMPLE = 10_000
+# The smallest std `pixel_statistics` gives: one grey level, so that a constant channel is not divided by zero.
+_MIN_STD = 1 / 255
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class SourceData:
     categories: Grouping | None = None
     domains: Grouping | None = None
     classes: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # undecodable images left out (--skip-bad-images), as the source names them
 
     def fitted(self, size: int | None, channels: int | None = None) -> SourceData:
         """The same source with its images stored for a ``size`` px model (see `fit_images`; None: sizes kept) with
@@ -108,6 +113,47 @@ class SourceData:
         mean, std = channel_statistics(self.mean, self.std, channels)
         test = None if self.test is None else fit(self.test)
         return replace(self, train=fit(self.train), test=test, mean=mean, std=std)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Which rows of a source's training and test sets to decode: sorted indices, or None for all of a set."""
+
+    train: np.ndarray | None = None
+    test: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class ScannedSource:
+    """A source as far as it is known before its images are decoded: how many training and test images it has (no
+    test images: no test set of its own), and the undecodable images it left out (``--skip-bad-images``).
+
+    ``decode(rows)`` gives its SourceData. Where ``by_rows`` (image files, counted and labeled without their
+    pixels) it holds only those ``rows`` of each set, in order; else the whole source, whatever ``rows`` says
+    (arrays, which are loaded whole to be counted).
+    """
+
+    num_train: int
+    num_test: int
+    decode: Callable[[Rows], SourceData]
+    by_rows: bool
+    skipped: tuple[str, ...] = ()
+
+
+def pixel_statistics(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel mean and std of uint8 ``[N, C, H, W]`` images, in 0..1, measured on at most
+    _STATISTICS_SAMPLE images spread evenly over the set, a chunk at a time."""
+    sample = images[:: max(1, -(-len(images) // _STATISTICS_SAMPLE))]
+    channels = images.shape[1]
+    total, squares, count = torch.zeros(channels, dtype=torch.float64), torch.zeros(channels, dtype=torch.float64), 0
+    for chunk in sample.split(_RESIZE_CHUNK):
+        pixels = chunk.to(torch.float64).div_(255).transpose(0, 1).reshape(channels, -1)
+        total += pixels.sum(dim=1)
+        squares += pixels.square().sum(dim=1)
+        count += pixels.shape[1]
+    mean = total / max(count, 1)
+    std = (squares / max(count, 1) - mean.square()).clamp_(min=0).sqrt_().clamp_(min=_MIN_STD)
+    return tuple(round(value, 4) for value in mean.tolist()), tuple(round(value, 4) for value in std.tolist())
 
 
 def channel_statistics(

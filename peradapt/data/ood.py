@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peradapt.data.decode import REPLACE_REMEDY, BadPicture, bad_pictures_error
 from peradapt.data.folders import IMAGE_SUFFIXES
 from peradapt.data.hfdata import load_hf_split
 from peradapt.data.images import ImageSet, fit_images, resize_images
@@ -630,15 +631,18 @@ def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None,
         raise DataError(f"imagefolder: no images in {path}/<class>/ (sub-folders named {naming}, image files inside)")
     mode = "L" if target.channels == 1 else "RGB"
     chosen = _subset_indices(len(files), limit, seed)
-    images, labels = [], []
+    images, labels, bad = [], [], []
     for i in chosen:
         file, label = files[i]
         try:
             with Image.open(file) as image:
                 pixels = np.asarray(image.convert(mode), dtype=np.uint8)
-        except (OSError, UnidentifiedImageError) as err:
-            raise DataError(f"imagefolder: cannot read {file}: {err}") from err
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+            bad.append(BadPicture(int(i), "/".join(file.parts[-2:]), str(file), " ".join(str(err).split())))
+            continue  # every undecodable file is named at once, below
         tensor = torch.from_numpy(pixels.reshape(*pixels.shape[:2], -1).copy()).permute(2, 0, 1).unsqueeze(0)
         images.append(resize_images(tensor, target.image_size, target.channels))
         labels.append(label)
+    if bad:
+        raise bad_pictures_error("imagefolder", f"imagefolder:{path}", bad, REPLACE_REMEDY)
     return ImageSet(torch.cat(images), torch.tensor(labels, dtype=torch.int64), target.num_classes)

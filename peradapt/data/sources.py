@@ -18,7 +18,7 @@ import torch
 from peradapt.data import folders, hfdata
 from peradapt.data.chexpert import load_chexpert
 from peradapt.data.decode import RESIZES
-from peradapt.data.images import ImageSet, SourceData
+from peradapt.data.images import ImageSet, Rows, ScannedSource, SourceData
 from peradapt.data.officehome import load_office_home
 from peradapt.data.svhn_stl10 import load_stl10, load_stl10_unlabeled, load_svhn
 from peradapt.errors import ConfigError, DataError
@@ -37,8 +37,8 @@ _FMNIST_FILES = {
 }
 _IDX_UBYTE = 0x08
 # Datasets decoded from image files come at this size unless --image-size says otherwise: the 224 px that
-# ImageNet-pretrained ResNets (the paper's backbones) were trained at. (imagefolder:PATH and hf:NAME keep images'
-# own side when all are squares of one side up to this: a 32 px set stays 32 px.)
+# ImageNet-pretrained ResNets (the paper's backbones) were trained at. (imagefolder:PATH and hf:NAME take their
+# most common size, up to this: a 32 px set stays 32 px, whatever few larger images it holds.)
 DECODED_IMAGE_SIZE = 224
 # Sources named by a prefix and what follows it (see peradapt.data.folders and peradapt.data.hfdata).
 SOURCE_PATTERNS = ("imagefolder:PATH", "hf:NAME_OR_PATH[:CONFIG]")
@@ -67,6 +67,7 @@ def load_source(
     resize: str = "squeeze",
     image_column: str | None = None,
     label_column: str | None = None,
+    skip_bad: bool = False,
 ) -> SourceData:
     """Load the source called ``name`` (one of ``SOURCE_NAMES``, or ``imagefolder:PATH`` or ``hf:NAME``: see
     SOURCE_PATTERNS), its images stored for a model of ``image_size`` px if given: image files decoded at that
@@ -75,53 +76,93 @@ def load_source(
     ``image_column`` and ``label_column`` choose an ``hf:`` dataset's columns (None: detected).
 
     ``channels`` (None: the dataset's own) converts grey to RGB by repetition and RGB to grey by luma, with the
-    normalization statistics to match (`channel_statistics`: ImageNet's per channel for decoded datasets, the
-    grey ones repeated for grey arrays). ``resize`` is how image files are fitted to the square: ``squeeze``
+    normalization statistics to match (`channel_statistics`: ImageNet's per channel for Office-Home and CheXpert,
+    the grey ones repeated for grey arrays). ``resize`` is how image files are fitted to the square: ``squeeze``
     (peradapt's default) or ``center-crop`` (the PerAda authors' CheXpert test transform; see
-    `peradapt.data.decode`). Arrays are square already, so it leaves them alone.
+    `peradapt.data.decode`). Arrays are square already, so it leaves them alone. ``skip_bad``: imagefolder and hf
+    leave their undecodable images out (``--skip-bad-images``).
     """
+    options = {"channels": channels, "resize": resize, "image_column": image_column, "label_column": label_column}
+    return scan_source(name, data_dir, download, image_size, skip_bad=skip_bad, **options).decode(Rows())
+
+
+def scan_source(
+    name: str,
+    data_dir: Path | str | None,
+    download: bool = False,
+    image_size: int | None = None,
+    *,
+    channels: int | None = None,
+    resize: str = "squeeze",
+    image_column: str | None = None,
+    label_column: str | None = None,
+    skip_bad: bool = False,
+) -> ScannedSource:
+    """The source of `load_source` before decoding: imagefolder and hf are listed, labeled and counted, to decode
+    the rows asked for; the others are loaded whole."""
     if resize not in RESIZES:
         raise ConfigError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     kind = source_kind(name)
     if kind == "hf":
+        options = {"channels": channels, "resize": resize, "skip_bad": skip_bad}
         columns = {"image_col": image_column, "label_col": label_column}
-        return hfdata.load_hf(name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize, **columns)
+        return hfdata.scan_hf(name, image_size, DECODED_IMAGE_SIZE, **options, **columns)
     if image_column is not None or label_column is not None:
         raise ConfigError(f"--image-column and --label-column choose the columns of an hf: dataset, not of {name}")
     if kind == "imagefolder":
-        return folders.load_image_folder(name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize)
+        return folders.scan_image_folder(
+            name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize, skip_bad=skip_bad
+        )
     path = None if data_dir is None else Path(data_dir)
     if path is not None and name in _FROM_FILES:
         _check_data_dir(name, path, download=download and name in _LOADERS)
     decoder = _DECODED.get(name)
     if decoder is not None:
-        return decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize)
+        return _whole(decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize))
     loader = _LOADERS.get(name)
     if loader is None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES + SOURCE_PATTERNS)}")
     source = loader(path, download)
-    return source if image_size is None and channels is None else source.fitted(image_size, channels)
+    return _whole(source if image_size is None and channels is None else source.fitted(image_size, channels))
 
 
 def load_unlabeled(
     name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None
 ) -> SourceData:
+    """Every image of `scan_unlabeled`'s source."""
+    return scan_unlabeled(name, data_dir, download, image_size).decode(Rows())
+
+
+def scan_unlabeled(
+    name: str,
+    data_dir: Path | str | None,
+    download: bool = False,
+    image_size: int | None = None,
+    *,
+    skip_bad: bool = False,
+) -> ScannedSource:
     """The source ``name`` as unlabeled distillation data, in its ``train`` (labels may be None): STL-10's
     unlabeled split; every image of ``imagefolder:PATH`` and the training split of ``hf:NAME`` without needing
-    labels (decoded at ``image_size`` if given); the training set of the others (see `load_source`)."""
+    labels (decoded at ``image_size`` if given, the rows asked for); the training set of the others (see
+    `load_source`)."""
     kind = source_kind(name)
+    unlabeled = {"channels": None, "resize": "squeeze", "labeled": False, "skip_bad": skip_bad}
     if kind == "imagefolder":
-        return folders.load_image_folder(
-            name, image_size, DECODED_IMAGE_SIZE, channels=None, resize="squeeze", labeled=False
-        )
+        return folders.scan_image_folder(name, image_size, DECODED_IMAGE_SIZE, **unlabeled)
     if kind == "hf":
-        return hfdata.load_hf(name, image_size, DECODED_IMAGE_SIZE, channels=None, resize="squeeze", labeled=False)
+        return hfdata.scan_hf(name, image_size, DECODED_IMAGE_SIZE, **unlabeled)
     if name == "stl10":
         path = None if data_dir is None else Path(data_dir)
         if path is not None:
             _check_data_dir(name, path, download=download)
-        return load_stl10_unlabeled(path, download)
-    return load_source(name, data_dir, download)
+        return _whole(load_stl10_unlabeled(path, download))
+    return scan_source(name, data_dir, download)
+
+
+def _whole(source: SourceData) -> ScannedSource:
+    """A source loaded whole, as a scanned one (`ScannedSource.by_rows` False)."""
+    num_test = 0 if source.test is None else len(source.test)
+    return ScannedSource(len(source.train), num_test, lambda rows: source, False)
 
 
 def source_kind(name: str) -> str:
@@ -280,6 +321,23 @@ _CIFAR_KINDS = {
     "cifar10": _CifarKind("CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": _CifarKind("CIFAR100", "cifar-100-python", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
+# The constants the PerAda authors normalize with where they differ from the data's own (datasets/prepare_data.py
+# of NVlabs/PerAda, `_get_transform`): CIFAR-10's std to three decimals, CIFAR-100's mean and std off in the fourth,
+# and STL-10 normalized with those CIFAR-100 constants. `--normalization-constants authors`.
+_AUTHORS_CIFAR100 = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
+_AUTHORS_STATISTICS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)),
+    "cifar100": _AUTHORS_CIFAR100,
+    "stl10": _AUTHORS_CIFAR100,
+}
+
+
+def normalization_statistics(source: SourceData, constants: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std that ``source`` is normalized with: its own (``exact``), or with ``authors`` the PerAda
+    authors' constants for the sources they normalize otherwise."""
+    if constants == "authors" and source.name in _AUTHORS_STATISTICS:
+        return _AUTHORS_STATISTICS[source.name]
+    return source.mean, source.std
 
 
 def _load_cifar(name: str, data_dir: Path | None, download: bool) -> SourceData:
