@@ -219,7 +219,12 @@ class DataConfig:
         group=DISTILLATION,
     )
     limit_samples: int | None = setting(
-        None, help="Cut every split to at most K images (smoke runs).", group=DATA, minimum=1, metavar="K"
+        None,
+        help="Cut every split to at most K images (smoke runs; of imagefolder:PATH and hf:NAME data only those are "
+        "decoded).",
+        group=DATA,
+        minimum=1,
+        metavar="K",
     )
     image_size: int | None = setting(
         None,
@@ -233,6 +238,13 @@ class DataConfig:
         "chexpert, decoded once and cached in $PERADAPT_HOME/cache",
     )
     download: bool = setting(False, help="Download missing datasets (needs a network).", group=DATA)
+    skip_bad_images: bool = setting(
+        False,
+        help="imagefolder:PATH and hf:NAME data: leave out the images that cannot be decoded (listed in "
+        "$PERADAPT_HOME/bad-images/ and the run's config.json) instead of stopping; they leave before the fixed "
+        "split, which a given set of files always splits the same way.",
+        group=DATA,
+    )
     augment: str = setting(
         "auto",
         help="Client training augmentation: auto (crop + flip for CIFAR, none otherwise), none, crop-flip, or "

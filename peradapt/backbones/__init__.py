@@ -261,6 +261,7 @@ def _load_into(model: nn.Module, weights: dict[str, torch.Tensor], origin: str) 
     given = {k: v for k, v in weights.items() if not k.startswith(head)}
     stem = _stem_conv_key(own)
     if stem in given and given[stem].shape[1] != own[stem].shape[1]:
+        _check_stem_channels(given[stem].shape[1], own[stem].shape[1], origin)
         from timm.models import adapt_input_conv
 
         given[stem] = adapt_input_conv(own[stem].shape[1], given[stem])
@@ -276,6 +277,21 @@ def _load_into(model: nn.Module, weights: dict[str, torch.Tensor], origin: str) 
             f"(e.g. {', '.join(detail)}); pass weights made for this --backbone"
         )
     model.load_state_dict(given, strict=False)
+
+
+def _check_stem_channels(weights_channels: int, data_channels: int, origin: str) -> None:
+    """Refuse colour data on weights made for grey images (`peradapt pretrain --data fmnist`): their stem has
+    filters for one channel, which timm's adapt_input_conv leaves as they are. (Grey data on colour weights is
+    fine: it sums the stem's filters over the channels.) Repeating the grey filters would feed the backbone each
+    image's channel mean, a grey it was never shown, so the user chooses the grey conversion instead."""
+    if weights_channels != 1 or data_channels == 1:
+        return
+    made = _read_info(Path(origin)) if Path(origin).is_file() else None
+    size = f" and --image-size {made.image_size}, the size they were made for" if made is not None else ""
+    raise WeightsError(
+        f"weights from {origin} were made for grey (1-channel) images, but the data has {data_channels} channels: "
+        f"pass --channels 1 to train on the images in grey{size}"
+    )
 
 
 def _stem_conv_key(state: dict[str, torch.Tensor]) -> str:

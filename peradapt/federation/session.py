@@ -89,6 +89,7 @@ class Session:
             "backbone_sha256": self.backbone_sha256,
             "device": str(self.device),
             "num_classes": self.data.num_classes,
+            **({"skipped_images": list(self.data.skipped_images)} if self.data.skipped_images else {}),
             "channels": self.data.channels,
             "image_size": self.data.image_size,
             "trainable_parameters": self.model.num_trainable(),
@@ -145,6 +146,7 @@ def build_session(
         resize=config.data.resize,
         image_column=config.data.image_column,
         label_column=config.data.label_column,
+        skip_bad_images=config.data.skip_bad_images,
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
