@@ -22,7 +22,7 @@ from peradapt.methods import METHODS, method_class
 from peradapt.methods.base import trains_by_sgd_jobs
 from peradapt.methods.plugins import ENTRY_POINT_GROUP
 from peradapt.presets import PRESETS
-from peradapt.progress import text_console
+from peradapt.progress import counted, text_console
 from peradapt.settings import Setting, declared_settings
 
 try:
@@ -161,7 +161,8 @@ def train(
     report = api.train(train_config, resume=resume, console=err_console)
     from peradapt.evaluation import results_table
 
-    title = f"{report['method']} on {report['data']}, {len(report['clients'])} clients, {report['rounds']} rounds"
+    clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
+    title = f"{report['method']} on {report['data']}, {clients}, {rounds}"
     if "privacy" in report:  # as the paper's Table 5: the clients' mean ε ± std
         privacy = report["privacy"]
         title += (
@@ -225,7 +226,7 @@ def evaluate(
     if ood is not None:
         result = api.evaluate(run, ood=ood, ood_limit=ood_limit, console=err_console)
         console = out_console if out_console.is_terminal else text_console(width=120)
-        console.print(ood_table(result, f"{ood} on {run}, {len(result['clients'])} clients"))
+        console.print(ood_table(result, f"{ood} on {run}, {counted(len(result['clients']), 'client')}"))
         out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return

@@ -21,7 +21,7 @@ from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.federation.engine import resume_config
 from peradapt.methods import method_class
-from peradapt.progress import text_console
+from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.training import train
@@ -130,7 +130,7 @@ def _metric_label(rows: list[dict]) -> str:
 
 
 def rich_table(rows: list[dict], num_seeds: int) -> Table:
-    table = Table(title=f"personalized models, {_metric_label(rows)} % (mean ± std over {num_seeds} seeds)")
+    table = Table(title=f"personalized models, {_metric_label(rows)} % (mean ± std over {counted(num_seeds, 'seed')})")
     for index, header in enumerate(_headers()):
         table.add_column(header, justify="left" if index < 2 else "right")
     for row in rows:
@@ -140,7 +140,8 @@ def rich_table(rows: list[dict], num_seeds: int) -> Table:
 
 def markdown_table(rows: list[dict], num_seeds: int) -> str:
     lines = [
-        f"Personalized models, {_metric_label(rows)} % (mean ± std over {num_seeds} seeds); parameters per client.",
+        f"Personalized models, {_metric_label(rows)} % (mean ± std over {counted(num_seeds, 'seed')}); "
+        "parameters per client.",
         "",
         "| " + " | ".join(_headers()) + " |",
         "|" + "---|" * len(_headers()),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from peradapt.errors import ConfigError
+from peradapt.progress import counted
 from peradapt.settings import NoSettings, Setting, declared_settings, markdown_table, setting
 
 # BatchNorm in training mode normalizes a batch by its own statistics, which one sample has not: client minibatches
@@ -732,8 +733,9 @@ class TrainConfig:
             )
         if fed.clients_per_round > fed.clients - fed.holdout_clients:
             raise ConfigError(
-                f"--clients-per-round {fed.clients_per_round} is more than the {fed.clients - fed.holdout_clients} "
-                f"clients left in training by --holdout-clients {fed.holdout_clients}: lower one of them"
+                f"--clients-per-round {fed.clients_per_round} is more than the "
+                f"{counted(fed.clients - fed.holdout_clients, 'client')} left in training by --holdout-clients "
+                f"{fed.holdout_clients}: lower one of them"
             )
         if fed.engine == "flower" and fed.client_store == "memory":
             raise ConfigError(

@@ -22,7 +22,7 @@ from peradapt.config import MIN_BATCH_SIZE, check_output_path
 from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.session import resolve_device
-from peradapt.progress import progress_display, text_console
+from peradapt.progress import counted, progress_display, text_console
 from peradapt.settings import FLOAT32_MAX
 
 HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
@@ -143,7 +143,8 @@ def pretrain(config: PretrainConfig, console: Console | None = None) -> tuple[Pa
         image_size=image_size,
         mean=source.mean,
         std=source.std,
-        source=f"peradapt pretrain on {config.data} ({len(train_set)} images, {config.epochs} epochs)",
+        source=f"peradapt pretrain on {config.data} ({counted(len(train_set), 'image')}, "
+        f"{counted(config.epochs, 'epoch')})",
     )
     save_backbone(model.state_dict(), info, out)
     return out, accuracy

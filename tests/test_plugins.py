@@ -264,6 +264,6 @@ def test_flower_simulation_runs_a_plugin(tmp_path, fmnist_dir, capsys, monkeypat
         plugin_args(fmnist_dir, run, "--engine", "flower", "--rounds", "1"), capsys, monkeypatch
     )
     assert code == 0, err
-    assert f"{PLUGIN} on fmnist, 4 clients, 1 rounds" in printed
+    assert f"{PLUGIN} on fmnist, 4 clients, 1 round" in printed
     report = json.loads((run / "report.json").read_text())
     assert report["method"] == PLUGIN and 0 <= report["summary"]["personalized_local_test"] <= 1

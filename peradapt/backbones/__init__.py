@@ -246,12 +246,16 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise WeightsError(f"weights file {path} does not exist: run `peradapt pretrain` or pass --weights FILE")
+    _check_weights_file(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise WeightsError(f"cannot read weights {path} ({exc}): pass a safetensors file") from None
+
+
+def _check_weights_file(path: Path) -> None:
+    if not path.is_file():
+        raise WeightsError(f"weights file {path} does not exist: run `peradapt pretrain` or pass --weights FILE")
 
 
 def _load_into(model: nn.Module, weights: dict[str, torch.Tensor], origin: str) -> None:
@@ -341,13 +345,34 @@ def load_backbone(
         weights=weights,
         data_normalization=(mean, std),
         image_size=image_size,
-        # huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is the user's setting.
-        offline_by="--offline" if offline else "HF_HUB_OFFLINE=1" if hub_constants.HF_HUB_OFFLINE else None,
+        offline_by=_offline_by(offline),
         pretrainable=pretrainable,
     )
     if normalization == "data":
         info.mean, info.std = mean, std
     return freeze(model), info
+
+
+def check_weights(
+    name: str, *, data: str, weights: str | None, offline: bool = False, pretrainable: bool = False
+) -> None:
+    """Refuse, without reading any weights or data, what `load_backbone` would refuse for want of weights: an
+    unknown timm name, a missing --weights file, a timm backbone with no weights to be found (none stored by
+    `pretrain`, none published, or published but neither cached nor to be fetched). Run before the data is loaded,
+    which may take minutes."""
+    if weights is not None:
+        _check_weights_file(Path(weights))
+    if is_hf(name):  # a Hugging Face model brings its own weights, found as it is created
+        return
+    _check_timm_name(name)
+    if weights is None and not default_weights_path(data, name).is_file():
+        _published_weights(name, data, _offline_by(offline), pretrainable)
+
+
+def _offline_by(offline: bool) -> str | None:
+    """The setting that forbids fetching weights, if any."""
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is the user's setting.
+    return "--offline" if offline else "HF_HUB_OFFLINE=1" if hub_constants.HF_HUB_OFFLINE else None
 
 
 def _pretrained_backbone(
@@ -380,10 +405,20 @@ def _pretrained_backbone(
         normalization = _own_normalization(name) or data_normalization
         return model, BackboneInfo(name, in_chans, image_size, *normalization, source)
     _check_timm_name(name)
+    config, cached = _published_weights(name, data, offline_by, pretrainable)
+    model, source = _published_backbone(name, config, cached, num_classes, in_chans, image_size)
+    return model, BackboneInfo(name, in_chans, image_size, tuple(config.mean), tuple(config.std), source)
+
+
+def _published_weights(
+    name: str, data: str, offline_by: str | None, pretrainable: bool
+) -> tuple[PretrainedCfg, Path | None]:
+    """timm's config of the weights published for `name`, and their file where the local cache has it (None: to be
+    fetched); refused where none are published, or where they are not cached and `offline_by` forbids fetching."""
     # timm hands out a randomly initialised model, with only a log warning, for names without published weights.
     if not _has_published_weights(name):
         raise WeightsError(
-            f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, stored, pretrainable)}"
+            f"no pretrained weights for {name} on {data}: {_how_to_get_weights(name, data, pretrainable)}"
         )
     config = get_pretrained_cfg(name)
     assert config is not None  # published weights come with a config
@@ -392,10 +427,9 @@ def _pretrained_backbone(
         raise WeightsError(
             f"the pretrained weights of {name} ({_origin(config)}) are not in the local cache and {offline_by} "
             f"forbids fetching them: run once without {offline_by} to fetch them, or "
-            f"{_how_to_get_weights(name, data, stored, pretrainable)}"
+            f"{_how_to_get_weights(name, data, pretrainable)}"
         )
-    model, source = _published_backbone(name, config, cached, num_classes, in_chans, image_size)
-    return model, BackboneInfo(name, in_chans, image_size, tuple(config.mean), tuple(config.std), source)
+    return config, cached
 
 
 def _own_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -417,14 +451,26 @@ def _has_published_weights(name: str) -> bool:
     return config is not None and bool(config.hf_hub_id or config.url)
 
 
-def _how_to_get_weights(name: str, data: str, stored: Path, pretrainable: bool) -> str:
+def _how_to_get_weights(name: str, data: str, pretrainable: bool) -> str:
+    """Where weights for `name` on `data` can come from, naming those `pretrain` already stored for other data."""
     if pretrainable:
-        return f"run `peradapt pretrain --data {data} --backbone {name}` (writes {stored}) or pass --weights FILE"
-    return (
-        f"{data} has no split for `peradapt pretrain`, so pass --weights FILE.safetensors (e.g. ImageNet weights "
-        f"for {name} saved with safetensors) or use a timm --backbone with published ImageNet weights (e.g. "
-        "resnet18.tv_in1k), fetched once into the local Hugging Face cache"
-    )
+        stored = default_weights_path(data, name)
+        advice = f"run `peradapt pretrain --data {data} --backbone {name}` (writes {stored}) or pass --weights FILE"
+    else:
+        advice = (
+            f"{data} has no split for `peradapt pretrain`, so pass --weights FILE.safetensors (e.g. ImageNet weights "
+            f"for {name} saved with safetensors) or use a timm --backbone with published ImageNet weights (e.g. "
+            "resnet18.tv_in1k), fetched once into the local Hugging Face cache"
+        )
+    pattern = default_weights_path("*", name)
+    pretrained = sorted(pattern.parent.glob(pattern.name))
+    if pretrained:
+        names = ", ".join(path.name for path in pretrained)
+        advice += (
+            f"; `peradapt pretrain` already stored {name} backbones pretrained on other data in "
+            f"{pretrained[0].parent} ({names}): --weights PATH uses one, e.g. --weights {pretrained[0]}"
+        )
+    return advice
 
 
 def _read_info(weights_path: Path) -> BackboneInfo | None:

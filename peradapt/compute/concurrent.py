@@ -108,11 +108,11 @@ class ConcurrentSGD:
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
     def run_steps(
-        self, steps: Sequence[Generator[SGDJob, SGDResult, T]], on_finished: Callable[[], None] | None = None
+        self, steps: Sequence[Generator[SGDJob, SGDResult, T]], on_finished: Callable[[int], None] | None = None
     ) -> list[T]:
         """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
-        trained together with the others' (`run`); what each returns, in their order, calling `on_finished` as each
-        one ends. `LocalTrainer.run_steps` drives one."""
+        trained together with the others' (`run`); what each returns, in their order, calling `on_finished(i)` as
+        the i-th one ends. `LocalTrainer.run_steps` drives one."""
         finished: dict[int, T] = {}
         pending: dict[int, SGDJob] = {}
 
@@ -122,7 +122,7 @@ class ConcurrentSGD:
             except StopIteration as done:
                 finished[index] = done.value
                 if on_finished is not None:
-                    on_finished()
+                    on_finished(index)
 
         for index in range(len(steps)):
             advance(index, None)

@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from rich.console import Console
+from rich.progress import Progress
 
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
@@ -49,10 +50,10 @@ from peradapt.evaluation import (
 )
 from peradapt.federation.session import Session, build_session, open_session
 from peradapt.federation.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
-from peradapt.methods import METHODS, ClientUpdate
+from peradapt.methods import ClientUpdate
 from peradapt.methods.auto_lam import estimate_lam
 from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
-from peradapt.progress import progress_display, text_console
+from peradapt.progress import ProgressLines, counted, progress_display, text_console
 from peradapt.rundir.checkpoint import (
     checkpoint_path,
     checkpointed_rounds,
@@ -141,6 +142,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
     if not resume and paths.config.exists():  # said before the session is built, which takes a while
         raise _already_a_run(run_dir)
     if resume:
+        _check_rounds_to_play(paths, config.federation.rounds)
         # Resume keeps the run's store; runs from before the disk store kept client state in their checkpoints.
         store = read_run_config(run_dir)[1].get("client_store", "memory")
         session = open_session(run_dir, config, client_store=_store_directory(store, paths))
@@ -169,14 +171,8 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
     """Write the run's config (and partition, and pin its backbone), or reopen it at its newest checkpoint."""
     config, run_dir = session.config, paths.root
     checkpoint = None
-    if resume:
+    if resume:  # its rounds were counted by `opened_run`; their number is checked against the name as it loads
         checkpoint = load_latest_checkpoint(paths.checkpoints)
-        done = len(checkpoint[1]["metrics"]) if checkpoint is not None else 0
-        if done > config.federation.rounds:
-            raise RunError(
-                f"{run_dir} has done {done} rounds, more than --rounds {config.federation.rounds}: rounds cannot be "
-                f"undone (only the newest checkpoint is kept), so pass --rounds {done} or more, or start a new run"
-            )
     elif paths.config.exists():  # written by another process since `opened_run` looked
         raise _already_a_run(run_dir)
     global_state, history = _restored(session, checkpoint, paths)  # checked before anything is written
@@ -252,6 +248,17 @@ def _check_checkpoint(session: Session, tensors: dict[str, torch.Tensor], path: 
             )
 
 
+def _check_rounds_to_play(paths: RunPaths, rounds: int) -> None:
+    """Refuse to resume with fewer --rounds than the run has done (by its newest checkpoint's name, before any data
+    is loaded)."""
+    done = checkpointed_rounds(paths.checkpoints)
+    if done > rounds:
+        raise RunError(
+            f"{paths.root} has done {counted(done, 'round')}, more than --rounds {rounds}: rounds cannot be undone "
+            f"(only the newest checkpoint is kept), so pass --rounds {done} or more, or start a new run"
+        )
+
+
 def _metrics_lines(history: list[dict]) -> str:
     """metrics.jsonl: a JSON line per round."""
     return "".join(json.dumps(record) + "\n" for record in history)
@@ -299,10 +306,10 @@ class Clients(Protocol):
     Flower ClientApps (`peradapt.flower`). Both play each client with `play_client`."""
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
     ) -> list[ClientUpdate]:
         """The updates of the clients `trained`, each from its payload (`Method.payload`: most often the one global
-        state object for all), in the order of `trained`."""
+        state object for all), in the order of `trained`; `on_client(client_id)` as each client finishes."""
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
@@ -323,13 +330,13 @@ class LocalClients:
         self.concurrent = concurrent_training(session, console)
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
     ) -> list[ClientUpdate]:
         if self.concurrent is None:
             updates = []
             for client_id in trained:
                 updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
-                on_client()
+                on_client(client_id)
             return updates
         updates, together = [], self.session.config.federation.concurrent_clients
         for start in range(0, len(trained), together):
@@ -361,17 +368,17 @@ def play_clients_together(
     client_ids: list[int],
     payloads: dict[int, AdapterState],
     round_index: int,
-    on_client: Callable[[], None],
+    on_client: Callable[[int], None],
 ) -> list[ClientUpdate]:
-    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`); `on_client`
-    is called as each client finishes."""
+    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`);
+    `on_client(client_id)` is called as each client finishes."""
     method = session.method
     assert isinstance(method, LocalSGDMethod), "concurrent_training serves only methods that train by SGD jobs"
     steps = [
         method.client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
         for c in client_ids
     ]
-    return concurrent.run_steps(steps, on_finished=on_client)
+    return concurrent.run_steps(steps, on_finished=lambda index: on_client(client_ids[index]))
 
 
 def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | None:
@@ -400,15 +407,9 @@ def _store_directory(kind: str, paths: RunPaths) -> Path | None:
 def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> dict | None:
     """`--lam auto`: λ from the fitted clients' optima (R² of Theorem 1), once, before round 1 (a resumed run keeps
     it). The fits are deterministic and draw no random numbers, so the rounds see the RNG they would see without."""
-    config, method = session.config.method, session.method
-    if not config.lam_auto:
+    config = session.config.method
+    if not config.lam_auto:  # a method without a proximal strength was refused by `build_session`
         return None
-    if not method.uses_proximal:
-        proximal = ", ".join(name for name, cls in METHODS.items() if cls.uses_proximal)
-        raise ConfigError(
-            f"--lam auto chooses a proximal strength, which --method {config.method} has not: "
-            f"pass a number, or use one of {proximal}"
-        )
     if resume:  # config.lam already holds the saved choice
         return read_run_config(run_dir)[1].get("lam_auto")
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
@@ -421,8 +422,9 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
     )
     config.lam = record["lam"]  # the method's config is this same object
     console.print(
-        f"--lam auto: R²={record['r2']:.4g} (max over {record['clients']} clients, median {record['r2_median']:.4g}; "
-        f"n={record['n']:.4g}), regime {record['regime']}, lam={record['lam']:.4g} ({record['explanation']})"
+        f"--lam auto: R²={record['r2']:.4g} (max over {counted(record['clients'], 'client')}, "
+        f"median {record['r2_median']:.4g}; n={record['n']:.4g}), regime {record['regime']}, "
+        f"lam={record['lam']:.4g} ({record['explanation']})"
     )
     return record
 
@@ -442,13 +444,14 @@ def _run_rounds(
     distiller = method.context.distiller
     federated_ids = list(range(federated))
     with progress_display(console) as progress:
-        rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history))
+        # without a terminal, a line per round (`ProgressLines`): what a live display shows as it goes
+        rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history), log_each_step=True)
         for round_index in range(len(history), fed.rounds):
             sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
             trained = method.clients_to_train(sampled, federated_ids)  # pFedMe, pFedBreD: every client trains
             payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
-            clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(trained))
-            updates = clients.train(round_index, trained, payloads, lambda bar=clients_bar: progress.advance(bar))
+            clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(trained), samples=0)
+            updates = clients.train(round_index, trained, payloads, _client_progress(session, progress, clients_bar))
             progress.remove_task(clients_bar)
             by_client = {update.client_id: update for update in updates}
             kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0
@@ -480,9 +483,20 @@ def _run_rounds(
             if tracking is not None:  # once the round is kept: a crash before this logs it on --resume
                 tracking.log_round(record)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
-            if not console.is_terminal:  # logs and CI get one line per round instead of a live display
-                console.print(_round_description(record))
     return global_state
+
+
+def _client_progress(session: Session, progress: Progress | ProgressLines, bar: int) -> Callable[[int], None]:
+    """`Clients.train`'s `on_client`: `bar` advanced by each client as it finishes, with the training samples of
+    the clients finished so far (each client's training set once, whatever its local epochs) for a samples/s."""
+    samples = 0
+
+    def finished(client_id: int) -> None:
+        nonlocal samples
+        samples += len(session.data.clients[client_id].train)
+        progress.update(bar, advance=1, samples=samples)
+
+    return finished
 
 
 def _evaluate(

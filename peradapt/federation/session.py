@@ -18,6 +18,7 @@ from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, 
 from peradapt.backbones import (
     BackboneInfo,
     check_input_sizes,
+    check_weights,
     fixed_image_size,
     load_backbone,
     pinned_weights_path,
@@ -30,7 +31,7 @@ from peradapt.data import ClientData, FederatedData, build_federation, has_pretr
 from peradapt.data.images import channel_statistics
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, WeightsError
-from peradapt.methods import Method, MethodContext, build_method, check_private_method, method_class
+from peradapt.methods import METHODS, Method, MethodContext, build_method, check_private_method, method_class
 from peradapt.methods.partial import PartialModelSettings
 from peradapt.rundir.layout import read_partition, read_run_config
 from peradapt.rundir.store import ClientStore, DiskClientStore
@@ -128,7 +129,23 @@ def build_session(
     config.validate()
     method_cls = method_class(config.method.method)
     check_private_method(config.method.method, config.privacy.enabled)
+    if config.method.lam_auto and not method_cls.uses_proximal:
+        proximal = ", ".join(name for name, cls in METHODS.items() if cls.uses_proximal)
+        raise ConfigError(
+            f"--lam auto chooses a proximal strength, which --method {config.method.method} has not: "
+            f"pass a number, or use one of {proximal}"
+        )
     check_input_sizes(config.backbone.backbone, config.data.image_size, config.distill.kd_image_size)
+    weights_file = str(weights) if weights is not None else config.backbone.weights
+    pretrainable = has_pretraining_split(config.data.data)
+    # Every check that needs no images is made before the data is loaded, which may take minutes to decode.
+    check_weights(
+        config.backbone.backbone,
+        data=config.data.data,
+        weights=weights_file,
+        offline=config.backbone.offline,
+        pretrainable=pretrainable,
+    )
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
     image_size = config.data.image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
@@ -155,13 +172,13 @@ def build_session(
         data=config.data.data,
         num_classes=data.num_classes,
         in_chans=data.channels,
-        weights=str(weights) if weights is not None else config.backbone.weights,
+        weights=weights_file,
         mean=data.mean,
         std=data.std,
         image_size=data.image_size,
         offline=config.backbone.offline,
         normalization=config.backbone.normalization,
-        pretrainable=has_pretraining_split(config.data.data),
+        pretrainable=pretrainable,
     )
     fingerprint = weights_fingerprint(backbone, info)
     if backbone_sha256 is not None and fingerprint != backbone_sha256:

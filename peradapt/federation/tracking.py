@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 from peradapt.config import TRACKERS, TrainConfig, tracker_names
 from peradapt.errors import ConfigError, PeradaptError, RunError
+from peradapt.home import environment_setting
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.files import check, read_json
 
@@ -143,7 +144,7 @@ class WandbTracker:
     def start(self, config: TrainConfig, resolved: dict, resume_state: dict | None) -> None:
         import wandb
 
-        project = resume_state["project"] if resume_state else os.environ.get("WANDB_PROJECT", "peradapt")
+        project = resume_state["project"] if resume_state else environment_setting("WANDB_PROJECT") or "peradapt"
         resume = {"id": resume_state["id"], "resume": "allow"} if resume_state else {}
         settings = wandb.Settings(console="off")  # peradapt's output stays as it is: no wrapped stdout/stderr
         self.run = wandb.init(project=project, name=self.name, settings=settings, **resume)
@@ -184,17 +185,17 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         state = resume_state or {}
-        self.tracking_uri = state.get("tracking_uri") if resume_state else os.environ.get("MLFLOW_TRACKING_URI")
-        if self.tracking_uri is None:
+        self.tracking_uri = state.get("tracking_uri") if resume_state else environment_setting("MLFLOW_TRACKING_URI")
+        if self.tracking_uri is None and environment_setting("MLFLOW_ALLOW_FILE_STORE") is None:
             # MLflow 3 keeps its file store in maintenance mode, behind this switch; it needs no database package.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.client = MlflowClient(tracking_uri=self.tracking_uri or (self.run_dir / MLFLOW_DIR).resolve().as_uri())
         if resume_state:
             self.run_id = resume_state["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
             logged = self.client.get_run(self.run_id).data.params  # a parameter, once logged, cannot change
         else:
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "peradapt")
+            name = environment_setting("MLFLOW_EXPERIMENT_NAME") or "peradapt"
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment_id, run_name=self.run_dir.name).info.run_id

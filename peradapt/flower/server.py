@@ -30,7 +30,7 @@ from peradapt.federation.engine import PreparedRun, opened_run, resume_config, r
 from peradapt.flower import records as r
 from peradapt.flower.strategy import PeradaptStrategy
 from peradapt.methods import ClientUpdate
-from peradapt.progress import text_console
+from peradapt.progress import counted, text_console
 
 NODE_WAIT_S = 600  # how long the server waits for SuperNodes that host every client to connect
 REPLY_TIMEOUT_S = 3600  # how long it waits for one step's replies (Flower's strategies wait as long)
@@ -51,7 +51,7 @@ class FlowerClients:
         self._connected = False
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[], None]
+        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
     ) -> list[ClientUpdate]:
         self._connect()
         messages = self.strategy.configure_train(round_index, trained, payloads)
@@ -99,16 +99,17 @@ class FlowerClients:
             if self.stopped() or time.monotonic() > deadline:
                 partitions = sorted(partition for partition, _ in self.strategy.nodes.values())
                 raise RunError(
-                    f"no Flower node hosts client {unhosted[0]} ({len(unhosted)} clients unhosted; nodes connected "
-                    f"with partition-id {partitions or 'none'}): start a SuperNode for every partition, "
+                    f"no Flower node hosts client {unhosted[0]} ({counted(len(unhosted), 'client')} unhosted; nodes "
+                    f"connected with partition-id {partitions or 'none'}): start a SuperNode for every partition, "
                     "--node-config 'partition-id=K num-partitions=N' with K = 0 .. N-1 (client c goes to K = c mod N)"
                 )
             time.sleep(1.0)
 
     def _exchange(
-        self, messages: list[tuple[Key, Message]], what: str, on_reply: Callable[[], None] = lambda: None
+        self, messages: list[tuple[Key, Message]], what: str, on_reply: Callable[[Key], None] = lambda key: None
     ) -> dict[Key, Message]:
-        """Send every message and wait for all replies; a node's error stops the run with its reason."""
+        """Send every message and wait for all replies, calling `on_reply(key)` as each comes; a node's error stops
+        the run with its reason."""
         pending: dict[str, Key] = {}
         for key, message in messages:
             sent = list(self.grid.push_messages([message]))
@@ -123,7 +124,7 @@ class FlowerClients:
                 if reply.has_error():
                     raise RunError(f"{what} {key} failed on its Flower node: {reply.error.reason}")
                 replies[key] = reply
-                on_reply()
+                on_reply(key)
             if pending:
                 if self.stopped():
                     raise RunError("Flower's runtime stopped while the server waited for its nodes")

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from peradapt.progress import counted
 from peradapt.rundir.files import ROUND_RECORD, check, damaged
 
 _META_KEY = "peradapt"
@@ -80,7 +81,7 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
     check(meta, {"metrics": [ROUND_RECORD]}, path, remedy, "metadata")
     rounds = [record["round"] for record in meta["metrics"]]
     if path != checkpoint_path(directory, len(rounds)):
-        raise damaged(path, f"its metadata records {len(rounds)} rounds, not the number in its name", remedy)
+        raise damaged(path, f"its metadata records {counted(len(rounds), 'round')}, not the number in its name", remedy)
     if rounds != list(range(1, len(rounds) + 1)):
         raise damaged(path, "the rounds of its metadata are not numbered 1, 2, 3, ...", remedy)
     for older in candidates[:-1]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, RunError
+from peradapt.progress import counted
 from peradapt.rundir.files import PARTITION, REPORT, RESOLVED, check, damaged, read_json
 
 
@@ -81,7 +82,7 @@ def read_partition(run_dir: Path) -> dict:
     check(partition, PARTITION, path, remedy)
     clients = partition["clients"]
     if len(clients) != config.federation.clients:
-        raise damaged(path, f"it has {len(clients)} clients, the run {config.federation.clients}", remedy)
+        raise damaged(path, f"it has {counted(len(clients), 'client')}, the run {config.federation.clients}", remedy)
     for index, client in enumerate(clients):
         if client["id"] != index:
             raise damaged(path, f"clients[{index}].id is {client['id']}", remedy)
