@@ -253,20 +253,37 @@ def export(
         Opt(help="With --push-to-hub: the clients whose adapters go up, as ids (0,3,5) or all.", show_default=False),
     ] = None,
     private: Annotated[bool, Opt("--private", help="With --push-to-hub: create the repository private.")] = False,
+    merge: Annotated[
+        bool,
+        Opt(
+            "--merge",
+            help="Export each client's model and the global one with the adapters folded into the backbone's "
+            "weights: plain timm (or transformers) models, same outputs in eval mode, that load without peradapt "
+            "(residual adapters of ResNets, LoRA and full models; not the ViT bottleneck adapter).",
+        ),
+    ] = False,
+    license: Annotated[
+        str | None,
+        Opt(
+            help="The license the model cards declare (a Hub license id: apache-2.0, mit, cc-by-nc-4.0, other, "
+            "...). Default: the backbone weights' own where their Hub config names one, else none.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone, and a model card
-    (README.md) for each that says how to load it."""
+    (README.md) for each that says how to load it; with --merge, whole models instead."""
     if push_to_hub is None and (clients is not None or private):
         raise ConfigError("--clients and --private choose what --push-to-hub uploads: add --push-to-hub OWNER/NAME")
     if push_to_hub is None:
-        path, url = api.export(run, out), None
+        path, url = api.export(run, out, merge=merge, license=license), None
     else:
-        path, url = (
-            out,
-            api.push_to_hub(run, out, push_to_hub, clients="all" if clients is None else clients, private=private),
-        )
-    out_console.print(f"adapters, backbone and model cards written to {path}", soft_wrap=True)
-    out_console.print(f"how to load them: {path / 'README.md'} and each adapter's README.md", soft_wrap=True)
+        chosen = "all" if clients is None else clients
+        url = api.push_to_hub(run, out, push_to_hub, clients=chosen, private=private, merge=merge, license=license)
+        path = out
+    what = "merged models" if merge else "adapters, backbone"
+    out_console.print(f"{what} and model cards written to {path}", soft_wrap=True)
+    out_console.print(f"how to load them: {path / 'README.md'} and each model's README.md", soft_wrap=True)
     if url is not None:
         out_console.print(f"uploaded to {url}", soft_wrap=True)
 
@@ -344,6 +361,8 @@ def info(
     if len(clients) > INFO_CLIENT_ROWS:
         more = len(clients) - INFO_CLIENT_ROWS
         out_console.print(f"... and {more:,} more clients ({run / 'partition.json'})", soft_wrap=True)
+    if resolved.get("classes") and partition.get("histograms_of", "classes") == "classes":  # the histograms' order
+        out_console.print(f"classes: {', '.join(resolved['classes'])}", soft_wrap=True)
     skew = label_skew([c["train_histogram"] for c in partition["clients"]])
     out_console.print(f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}")
     if resolved.get("backbone_parameters") and "trainable_parameters" in resolved:

@@ -21,6 +21,7 @@ from peradapt.data import decode as decode_module
 from peradapt.data.decode import common_size
 from peradapt.data.ood import OodTarget, load_ood
 from peradapt.errors import DataError, WeightsError
+from peradapt.federation.session import open_session
 
 from .conftest import TINY_BACKBONE
 from .test_cli import expect_refusal, run_cli
@@ -218,6 +219,13 @@ def test_skip_bad_images_leaves_them_out_before_the_split_and_records_them(weigh
     # The 24 good files split as 24 files would: the bad ones are gone before the fixed split.
     splits = fixed_splits(f"imagefolder:{folder}", 24, 0, limit_samples=None)
     assert json.loads((run / "partition.json").read_text())["pool_size"] == len(splits.pool)
+    # A run reopened later keeps the size it resolved, whatever another peradapt would choose for these images (one
+    # before the most-common-size rule decoded mixed folders at 224 px): as if this run had resolved 12 px.
+    saved = json.loads((run / "config.json").read_text())
+    saved["resolved"]["image_size"] = 12
+    (run / "config.json").write_text(json.dumps(saved))
+    session = open_session(run)
+    assert session.data.image_size == 12 and session.data.clients[0].train.images.shape[-1] == 12
 
 
 def test_skip_bad_images_leaves_out_hf_rows_and_names_them(tmp_path, cache_home, monkeypatch, capsys):

@@ -140,6 +140,8 @@ class BackboneInfo:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     source: str  # where the weights came from, for the user and the run's config.json
+    # The names of the head's classes, in the order of its logits (an export's backbone.json; empty elsewhere)
+    classes: tuple[str, ...] = ()
 
     def save(self, weights_path: Path) -> None:
         weights_path.with_suffix(".json").write_text(json.dumps(asdict(self), indent=2))
@@ -480,6 +482,7 @@ def _read_info(weights_path: Path) -> BackboneInfo | None:
     try:
         values = json.loads(meta.read_text())
         values["mean"], values["std"] = tuple(values["mean"]), tuple(values["std"])
+        values["classes"] = tuple(values.get("classes", ()))
         return BackboneInfo(**values)
     except (ValueError, TypeError, KeyError) as exc:
         raise WeightsError(f"cannot read {meta} ({exc}): delete it or re-run `peradapt pretrain`") from None

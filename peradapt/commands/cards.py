@@ -28,6 +28,7 @@ from peradapt.config import TrainConfig
 from peradapt.data import hfdata
 from peradapt.data.sources import source_kind
 from peradapt.errors import ConfigError
+from peradapt.progress import counted
 
 CARD_FILE = "README.md"
 TAGS = ("peradapt", "federated-learning", "personalization")
@@ -126,7 +127,7 @@ class RunCards:
         contents = [
             f"- `global/`: the global {noun}, with its card;",
             f"- `clients/<id>/`: each client's personalized {noun}, with its card "
-            f"({_count(len(self.clients), 'client')}: {id_ranges(self.clients)});",
+            f"({counted(len(self.clients), 'client')}: {id_ranges(self.clients)});",
             f"- {self._backbone_files()}: the backbone and its input normalization."
             if not self.merged
             else f"- each directory holds a whole {self._library()} model, the adapters merged into the backbone.",
@@ -135,16 +136,16 @@ class RunCards:
             contents.append(
                 f"\nThe Hugging Face repository [`{self.hub.repo_id}`](https://huggingface.co/{self.hub.repo_id}) "
                 f"holds the backbone, the global {noun} and the personalized {noun}s of "
-                f"{_count(len(self.hub.clients), 'client')} ({id_ranges(list(self.hub.clients))})."
+                f"{counted(len(self.hub.clients), 'client')} ({id_ranges(list(self.hub.clients))})."
             )
         if held_out:
             contents.append(
-                f"\n{_count(len(held_out), 'client')} ({id_ranges(held_out)}) were held out of training "
+                f"\n{counted(len(held_out), 'client')} ({id_ranges(held_out)}) were held out of training "
                 "(`--holdout-clients`): they have no adapter here; `peradapt personalize --run RUN --new-client ID` "
                 "trains one from the global model."
             )
         first = self.hub.clients[0] if self.hub is not None and self.hub.clients else self.clients[0]
-        title = f"{self.method} on {self.data}: a federation of {_count(len(self.clients), 'client')}"
+        title = f"{self.method} on {self.data}: a federation of {counted(len(self.clients), 'client')}"
         sections = [
             self._front_matter(title, self._scores("federation")),
             f"# {title}",
@@ -233,8 +234,8 @@ class RunCards:
 
     def _federation(self) -> str:
         return (
-            f"a simulated federation of {_count(len(self.clients), 'client')} trained by peradapt with "
-            f"`{self.method}` for {_count(self.report['rounds'], 'round')}"
+            f"a simulated federation of {counted(len(self.clients), 'client')} trained by peradapt with "
+            f"`{self.method}` for {counted(self.report['rounds'], 'round')}"
         )
 
     def _facts_table(self, whose: str, client: int | None) -> str:
@@ -244,7 +245,7 @@ class RunCards:
             ("backbone", self._backbone_description()),
             ("backbone weights", self._weights_description()),
             ("data", self._data_description()),
-            ("partition", f"`{self.config.data.partition}` over {self.config.federation.clients} clients"),
+            ("partition", f"`{self.config.data.partition}` over {counted(self.config.federation.clients, 'client')}"),
             ("training", self._training_description()),
         ]
         privacy = self.report.get("privacy")
@@ -314,11 +315,11 @@ class RunCards:
     def _training_description(self) -> str:
         fed = self.config.federation
         text = (
-            f"{_count(self.report['rounds'], 'round')}, {fed.clients_per_round} of "
+            f"{counted(self.report['rounds'], 'round')}, {fed.clients_per_round} of "
             f"{len(self.clients)} clients sampled per round, seed {self.report['seed']}"
         )
         if fed.holdout_clients:
-            text += f"; {fed.holdout_clients} clients held out (not trained, not exported)"
+            text += f"; {counted(fed.holdout_clients, 'client')} held out (not trained, not exported)"
         return text
 
     def _privacy_description(self, privacy: dict, client: int | None) -> str:
@@ -615,10 +616,6 @@ def _import_order(line: str) -> tuple[bool, str]:
 
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
 def _cell(text: str) -> str:

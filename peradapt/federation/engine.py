@@ -603,6 +603,7 @@ def build_report(session: Session, evaluation: dict, history: list[dict]) -> dic
         "method": config.method.method,
         "data": config.data.data,
         "metric": evaluation["metric"],
+        "classes": list(session.class_names),
         "rounds": config.federation.rounds,
         "seed": config.seed,
         "clients": evaluation["clients"],

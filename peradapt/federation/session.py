@@ -78,6 +78,11 @@ class Session:
         rng = np.random.default_rng(derive_seed(self.config.seed, EVALUATION))
         return [clients[i] for i in sorted(rng.choice(len(clients), size=CLIENT_SAMPLE, replace=False))]
 
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The name of each class index (the data's own; its index as text where a source names none)."""
+        return self.data.classes or tuple(str(index) for index in range(self.data.num_classes))
+
     def resolved(self) -> dict:
         """What the flags resolved to on this machine, written beside the config."""
         packages = ("peradapt", "torch", "timm", "peft", "numpy")
@@ -90,6 +95,7 @@ class Session:
             "backbone_sha256": self.backbone_sha256,
             "device": str(self.device),
             "num_classes": self.data.num_classes,
+            "classes": list(self.class_names),
             **({"skipped_images": list(self.data.skipped_images)} if self.data.skipped_images else {}),
             "channels": self.data.channels,
             "image_size": self.data.image_size,
@@ -121,11 +127,13 @@ def build_session(
     client_store: Path | None = None,
     weights: Path | None = None,
     backbone_sha256: str | None = None,
+    recorded_image_size: int | None = None,
 ) -> Session:
     """Data, model, trainer and method of `config`; `saved_partition` reuses a run's partition.json, and clients'
     private state goes to a `DiskClientStore` in the directory `client_store` (None: in memory). `weights` loads
     the backbone from that file instead of the config's; `backbone_sha256` refuses a backbone of another
-    fingerprint (`open_session` passes both for a saved run)."""
+    fingerprint; `recorded_image_size` is the input size a saved run resolved, which its data keeps where the
+    config names none (`open_session` passes all three for a saved run)."""
     config.validate()
     method_cls = method_class(config.method.method)
     check_private_method(config.method.method, config.privacy.enabled)
@@ -147,7 +155,8 @@ def build_session(
         pretrainable=pretrainable,
     )
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
-    image_size = config.data.image_size or fixed_image_size(config.backbone.backbone)
+    # A saved run keeps the size it was trained at, whatever a later peradapt would choose for the same images.
+    image_size = config.data.image_size or recorded_image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
         config.data.data,
         config.data.data_dir,
@@ -236,7 +245,12 @@ def open_session(run_dir: Path, config: TrainConfig | None = None, *, client_sto
         pinned = pinned_weights_path(fingerprint)
         weights = pinned if pinned.is_file() else None
     session = build_session(
-        config, read_partition(run_dir), client_store=client_store, weights=weights, backbone_sha256=fingerprint
+        config,
+        read_partition(run_dir),
+        client_store=client_store,
+        weights=weights,
+        backbone_sha256=fingerprint,
+        recorded_image_size=resolved.get("image_size"),
     )
     if weights is not None:  # the same weights as the file the run names: it keeps naming it
         session.backbone.source, session.pinned_copy = resolved.get("weights", session.backbone.source), weights

@@ -53,6 +53,7 @@ RESOLVED = {
     "backbone_parameters?": int,
     "backbone_sha256?": str,
     "classes?": [str],
+    "image_size?": int,
     "skipped_images?": [str],  # undecodable images left out (--skip-bad-images)
     "lam_auto?": {"lam": float},
 }
