@@ -59,10 +59,13 @@ AGGREGATIONS = ("samples", "uniform")  # server mean over the sampled clients: n
 AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
 RESIZES = ("squeeze", "center-crop")
 NORMALIZATIONS = ("auto", "data")
+# --normalization-constants: the datasets' own statistics, or the constants the PerAda authors' code normalizes with
+NORMALIZATION_CONSTANTS = ("exact", "authors")
 BN_MODES = ("eval", "train")
 KD_AUGMENTATIONS = ("none", "crop-flip")
 KD_LOSSES = ("softmax", "bernoulli")
 KD_NORMALIZATIONS = ("model", "own")
+KD_BATCHES = ("independent", "epochs")  # --kd-batches: a fresh draw at every step, or epochs without replacement
 CLIENT_STORES = ("auto", "memory", "disk")
 ENGINES = ("builtin", "flower")
 TRACKERS = (
@@ -307,6 +310,15 @@ class BackboneConfig:
         group=AUTHORS,
         choices=NORMALIZATIONS,
     )
+    normalization_constants: str = setting(
+        "exact",
+        help="The statistics CIFAR-10 and CIFAR-100 are normalized with, as the model's inputs (--normalization "
+        "data) and as distillation images (--kd-normalization own): exact (the datasets' own, to four decimals) "
+        "or authors (the PerAda authors' constants: CIFAR-10's std to three decimals, CIFAR-100's differing in the "
+        "fourth, STL-10 normalized as CIFAR-100).",
+        group=AUTHORS,
+        choices=NORMALIZATION_CONSTANTS,
+    )
 
 
 @dataclass
@@ -544,6 +556,14 @@ class DistillConfig:
         "set's own (own, the authors').",
         group=AUTHORS,
         choices=KD_NORMALIZATIONS,
+    )
+    kd_batches: str = setting(
+        "independent",
+        help="Distillation batches: independent (a fresh random subset at every step) or "
+        "epochs (through the distillation set without replacement, a shorter last batch, a new epoch at every "
+        "round's start: the authors' DataLoader).",
+        group=AUTHORS,
+        choices=KD_BATCHES,
     )
 
 

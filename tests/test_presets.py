@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from peradapt.config import TrainConfig
 from peradapt.data import chexpert as chexpert_module
+from peradapt.federation.session import build_session
 from peradapt.presets import PRESETS, preset_settings
 
 from .conftest import TINY_BACKBONE
@@ -55,8 +56,16 @@ def test_every_preset_is_a_valid_config_that_differs_from_the_defaults():
     for name in PRESETS:
         settings = preset_settings(name)
         TrainConfig.from_flat(settings)  # every key known, every value valid
-        for key, value in {"kd_mode": "train", "frozen_bn": "train", "kd_normalization": "own"}.items():
-            assert settings[key] == value != defaults[key]
+        authors = {
+            "kd_mode": "train",
+            "frozen_bn": "train",
+            "frozen_bn_statistics": "local",
+            "kd_normalization": "own",
+            "normalization_constants": "authors",
+            "kd_batches": "epochs",
+        }
+        for key, value in authors.items():
+            assert settings[key] == value != defaults[key], (name, key)
     # the authors' lambda on lambda * ||v - w||^2 is half of peradapt's
     assert [preset_settings(name)["lam"] for name in PRESETS] == [2.0, 0.2, 2.0]
 
@@ -103,6 +112,8 @@ def test_each_preset_trains_end_to_end(preset, data_dir, rgb_weights, tmp_path, 
     expected.update({"rounds": 2, "kd_steps": 2, "batch_size": 16})
     for key in ("kd_mode", "frozen_bn", "kd_normalization", "kd_augment", "partition", "lam", "server_lr", "data"):
         assert flat[key] == expected[key], key  # ... and the rest is the preset's
+    for key in ("normalization_constants", "kd_batches", "frozen_bn_statistics"):
+        assert flat[key] == expected[key], key
     report = json.loads((out / "report.json").read_text())
     selected = report["selected_on_test"]
     assert selected["rounds_evaluated"][-1] == 2
@@ -116,6 +127,21 @@ def test_each_preset_trains_end_to_end(preset, data_dir, rgb_weights, tmp_path, 
         assert all(min(client["train_histogram"]) >= 2 for client in partition["clients"])
     # --frozen-bn train: each client's adapter carries its frozen BatchNorms' statistics
     assert (out / "clients" / str(report["clients"][0]) / "frozen_bn_statistics.safetensors").is_file()
+
+
+def test_the_cifar10_preset_normalizes_with_the_authors_constants(data_dir, rgb_weights, tmp_path):
+    """datasets/prepare_data.py: CIFAR-10 with std (0.247, 0.243, 0.261), the CIFAR-100 distillation images with
+    mean (0.5071, 0.4867, 0.4408) and std (0.2675, 0.2565, 0.2761)."""
+    tiny = {"backbone": TINY_BACKBONE, "weights": str(rgb_weights), "clients": 2, "clients_per_round": 2}
+    places = {"data_dir": str(data_dir), "device": "cpu", "out": str(tmp_path / "run")}
+    session = build_session(TrainConfig.from_flat({**preset_settings("perada-cifar10"), **tiny, **places}))
+    assert (session.trainer.inputs.mean, session.trainer.inputs.std) == (
+        (0.4914, 0.4822, 0.4465),
+        (0.247, 0.243, 0.261),
+    )
+    distiller = session.method.context.distiller
+    assert distiller is not None and distiller.inputs is not None
+    assert (distiller.inputs.mean, distiller.inputs.std) == ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
 
 
 def test_resume_refuses_a_preset(tmp_path, capsys, monkeypatch):
@@ -143,6 +169,10 @@ def test_train_help_lists_the_authors_settings(capsys, monkeypatch):
         (["--kd-normalization", "imagenet"], ["--kd-normalization"]),
         (["--kd-eval-every", "-2"], ["--kd-eval-every"]),
         (["--frozen-bn", "frozen"], ["--frozen-bn"]),
+        (["--frozen-bn-statistics", "first"], ["--frozen-bn-statistics", "averaged, local"]),
+        (["--frozen-bn-statistics", "local"], ["--frozen-bn-statistics local", "--frozen-bn train"]),
+        (["--kd-batches", "shuffled"], ["--kd-batches", "independent, epochs"]),
+        (["--normalization-constants", "rounded"], ["--normalization-constants", "exact, authors"]),
         (["--augment", "cutout"], ["--augment", "resized-crop"]),
         (["--channels", "2"], ["--channels"]),
         (["--resize", "pad"], ["--resize"]),

@@ -164,6 +164,12 @@ class AdaptedModel:
             self._split.append((generic, personal))
         return generic + personal
 
+    @property
+    def frozen_norm_buffers(self) -> frozenset[str]:
+        """The state keys of the frozen BatchNorms' running statistics (ResNets' downsample BatchNorms): in the
+        state with `frozen_bn` "train", none otherwise."""
+        return frozenset(self._frozen_norm_buffers)
+
     def state_names(self) -> list[str]:
         """The keys of `state`, in its order: trainable parameters, then buffers."""
         return [*self._parameters, *self._buffers]

@@ -15,12 +15,16 @@ Two ways to run it, `--kd-mode`:
   normalizes with the distillation batch's statistics and the student's running statistics follow the
   distillation data; the teachers then run on every batch, as they do with augmented images.
 
+Each step's batch (`distillation_batches`, `--kd-batches`) is a fresh random subset of the distillation set
+(`independent`), or the next batch of an epoch through it without replacement, with a shorter last batch (`epochs`:
+the authors' DataLoader over a SubsetRandomSampler, whose iterator every round starts afresh).
+
 Only during the first `--kd-rounds` rounds, if set (the authors' `kd_max_round`); later rounds keep the mean.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from peradapt.adapters import AdapterState
 from peradapt.compute.trainer import InputPipeline, LocalTrainer, seeded_generator
 from peradapt.config import DistillConfig
-from peradapt.data import ImageSet
+from peradapt.data import ImageSet, iterate_minibatches
 from peradapt.errors import TrainingDiverged
 
 
@@ -41,6 +45,21 @@ def ensemble_logits(
     for teacher in teachers[1:]:
         total += trainer.logits(teacher, data, inputs)
     return total / len(teachers)
+
+
+def distillation_batches(
+    num_samples: int, batch_size: int, kind: str, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """The distillation set's index batches, one per step, without end: `independent`, `batch_size` of the
+    `num_samples` drawn afresh at every step; `epochs`, a permutation of them per epoch cut into batches of
+    `batch_size`, the last shorter (`iterate_minibatches`, which joins a last batch of one sample to the one before:
+    BatchNorm cannot normalize a single sample in training mode). Each permutation is drawn from `generator` when
+    its epoch's first batch is asked for."""
+    while True:
+        if kind == "epochs":
+            yield from iterate_minibatches(num_samples, batch_size, generator)
+        else:
+            yield torch.randperm(num_samples, generator=generator)[:batch_size]
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -113,11 +132,13 @@ class Distiller:
         parameters = list(model.trainable_parameters().values())
         optimizer = torch.optim.Adam(parameters, lr=config.server_lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
+        # The batches and the augmentation share the round's generator: every round replays from its seed alone.
         generator = seeded_generator(seed)
         batch_size = min(config.kd_batch_size, len(self.kd_data))
+        batches = distillation_batches(len(self.kd_data), batch_size, config.kd_batches, generator)
         last_loss = float("nan")
         for step in range(1, steps + 1):
-            batch = torch.randperm(len(self.kd_data), generator=generator)[:batch_size]
+            batch = next(batches)
             images = inputs(self.kd_data.images[batch], generator)
             if cached is not None:
                 teacher_logits = cached[batch.to(cached.device)]

@@ -178,6 +178,11 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
     global_state, history = _restored(session, checkpoint, paths)  # checked before anything is written
     pinned = f" (the run's copy, {session.pinned_copy})" if session.pinned_copy else ""
     console.print(f"backbone weights: {session.backbone.source}{pinned}")
+    if session.method.uses_distillation and config.distill.kd_mode == "train" and config.method.frozen_bn != "train":
+        console.print(
+            "note: --kd-mode train without --frozen-bn train distills with the frozen BatchNorms on their pretrained "
+            "statistics; the authors' distillation needs both (docs/REPRODUCING.md)"
+        )
     lam_auto = _choose_lam(session, run_dir, resume, console)
     resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
     # --log: the trackers start (or continue their runs) after every check, and log the rounds they lack

@@ -173,6 +173,7 @@ def build_session(
         image_column=config.data.image_column,
         label_column=config.data.label_column,
         skip_bad_images=config.data.skip_bad_images,
+        normalization_constants=config.backbone.normalization_constants,
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values

@@ -14,15 +14,43 @@ after the first `--kd-rounds` if that is set (the authors' code distills only in
 The proximal term: Algorithm 1 steps with lam * (v - w), the gradient of lam/2 ||v - w||^2. The authors' code adds
 lam * ||v - w||^2 to the loss, whose gradient is 2 lam (v - w): their lam is half of peradapt's (their lam = 1 is
 `--lam 2`, as the paper presets set it). docs/REPRODUCING.md lists every such difference.
+
+With `--frozen-bn train` the frozen BatchNorms' running statistics (the ResNets' downsample BatchNorms) are part of
+every state. By default they are averaged and sent like the rest of the global adapter. `--frozen-bn-statistics
+local` does as the authors' code: their server averages only the adapters, BatchNorms bn1/bn2 and classifier and
+takes every other entry from the first client of the round's sample (aggregation/averaging.py; `random.sample`'s
+first, which is uniform over the sampled clients: here a seeded uniform draw among them), and sends only what it
+averaged, so each client's local model keeps its own frozen statistics from one round it is sampled to the next
+(optim/base.py, `state_dict_sever_to_client`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
-from peradapt.methods.base import ClientSteps, ClientUpdate, ProximalPersonalization, register
+from peradapt.errors import ConfigError
+from peradapt.methods.base import ClientSteps, ClientUpdate, MethodContext, ProximalPersonalization, register
+from peradapt.seeds import SAMPLING, derive_seed
+from peradapt.settings import setting
+
+FROZEN_BN_STATISTICS = ("averaged", "local")
+LOCAL_NORMS_KEY = "local_frozen_bn"  # a client's own frozen BatchNorm statistics, with --frozen-bn-statistics local
+
+
+@dataclass
+class PerAdaSettings:
+    frozen_bn_statistics: str = setting(
+        "averaged",
+        help="With --frozen-bn train, the frozen BatchNorms' running statistics: averaged (by the server and sent "
+        "to the clients, as every trained statistic) or local (each client's local model keeps its own across "
+        "rounds; the server takes one sampled client's, drawn uniformly: the authors' code).",
+        choices=FROZEN_BN_STATISTICS,
+    )
 
 
 @register
@@ -33,10 +61,26 @@ class PerAda(ProximalPersonalization):
     uses_distillation = True
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
     supports_dp = True
+    settings_class = PerAdaSettings
+    settings: PerAdaSettings
+
+    def __init__(self, context: MethodContext) -> None:
+        super().__init__(context)
+        local = self.settings.frozen_bn_statistics == "local"
+        # The state keys each client keeps for itself (none: all of the state is the global adapter's).
+        self.local_norms = self.trainer.model.frozen_norm_buffers if local else frozenset()
+        if local and not self.local_norms:
+            raise ConfigError(
+                "--frozen-bn-statistics local keeps the frozen BatchNorms' running statistics on the clients, and "
+                "this model trains none: add --frozen-bn train, or drop it for a backbone without BatchNorms"
+            )
 
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
         _, personal_loss = yield from self.proximal_personal_steps(client, global_state, seed)  # line 10
-        local, local_loss = yield self.local_job(client, global_state, seed)  # lines 12-15
+        start = {**global_state, **self.own_norms(client.client_id)}
+        local, local_loss = yield self.local_job(client, start, seed)  # lines 12-15
+        if self.local_norms:
+            self.store.put(client.client_id, LOCAL_NORMS_KEY, {key: local[key] for key in self.local_norms})
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 
@@ -50,10 +94,21 @@ class PerAda(ProximalPersonalization):
     ) -> tuple[AdapterState, dict[str, float]]:
         teachers = [update.upload for update in updates]
         averaged = self.server_mean(updates)  # lines 17-18 (uniform)
+        if self.local_norms:  # the authors' averaging: the frozen statistics of one sampled client, drawn uniformly
+            first = updates[np.random.default_rng(derive_seed(seed, SAMPLING)).integers(len(updates))]
+            averaged = {**averaged, **{key: first.upload[key] for key in self.local_norms}}
         distiller = self.context.distiller
         if not self.uses_distillation or not distiller or not distiller.active(round_index):
             return averaged, {}
         return distiller.distill(averaged, teachers, seed=seed, on_step=on_step)  # lines 19-22
+
+    def own_norms(self, client_id: int) -> AdapterState:
+        """The frozen statistics the client's local model keeps (`--frozen-bn-statistics local`): from the round it
+        was last sampled in, or the initial ones; none when they are the global adapter's."""
+        if not self.local_norms:
+            return {}
+        stored = self.store.get(client_id, LOCAL_NORMS_KEY)
+        return stored if stored is not None else {key: self.context.initial[key] for key in self.local_norms}
 
     def parameter_counts(self) -> dict[str, int]:
         adapter = self.trainer.model.num_trainable()
