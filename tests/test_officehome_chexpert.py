@@ -471,9 +471,10 @@ def test_chexpert_without_weights_says_how_to_get_them(chexpert_data, home, tmp_
     ],
 )
 def test_dataset_mistakes_exit_2_in_one_line(
-    data, extra, needles, office_home_dir, chexpert_data, tmp_path, capsys, monkeypatch, home
+    data, extra, needles, office_home_dir, chexpert_data, tiny_weights, tmp_path, capsys, monkeypatch, home
 ):
     data_dir = office_home_dir if data == "office-home" else chexpert_data[0]
-    args = file_args(data, data_dir, tmp_path / "run", None, "--clients-per-round", "2", *extra)
+    # with weights: a run without them is refused first, before its data is read (test_logs_and_checks)
+    args = file_args(data, data_dir, tmp_path / "run", tiny_weights, "--clients-per-round", "2", *extra)
     expect_user_error(args, capsys, monkeypatch, *needles)
     assert not (tmp_path / "run").exists()
