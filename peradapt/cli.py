@@ -95,7 +95,7 @@ def pretrain(
         device=device,
         console=err_console,
     )
-    out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)")
+    out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)", soft_wrap=True)
     if replaced:  # runs record their backbone's fingerprint and keep a copy: they do not move to the new weights
         out_console.print(
             f"it replaces the weights that were there; runs trained on those keep using them "
@@ -169,7 +169,7 @@ def train(
             f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
         )
     out_console.print(results_table(report["summary"], title, report["metric"], report["selected_on_test"]))
-    out_console.print(f"run directory: {train_config.out}")
+    out_console.print(f"run directory: {train_config.out}", soft_wrap=True)
 
 
 @app.command(cls=PlainTextCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -201,7 +201,7 @@ def compare(
     # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
     console = out_console if out_console.is_terminal else text_console(width=160)
     console.print(rich_table(rows, seeds))
-    out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}")
+    out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}", soft_wrap=True)
 
 
 @app.command("eval", cls=PlainTextCommand)
@@ -232,7 +232,7 @@ def evaluate(
         return
     evaluation = api.evaluate(run, ood_limit=ood_limit)
     out_console.print(results_table(summarize(evaluation), f"evaluation of {run}", evaluation["metric"]))
-    out_console.print(f"written to {run / 'eval.json'}")
+    out_console.print(f"written to {run / 'eval.json'}", soft_wrap=True)
 
 
 @app.command(cls=PlainTextCommand)
@@ -484,7 +484,7 @@ def report(
 ) -> None:
     """Plots (accuracy per round, per client) and a Markdown/JSON table comparing finished runs."""
     for path in api.report(runs, out):
-        out_console.print(f"written {path}")
+        out_console.print(f"written {path}", soft_wrap=True)
 
 
 def find_named_plugins(args: list[str]) -> None:
