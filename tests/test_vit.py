@@ -185,6 +185,8 @@ def test_hf_backbone_comes_from_its_directory_with_its_own_normalization(hf_dir)
 def test_hf_run_exports_a_model_directory_that_plain_peft_loads(hf_dir, fmnist_dir, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForImageClassification
 
+    from .test_model_cards import text_files
+
     run = tmp_path / "run"
     args = run_args(fmnist_dir, run, "--backbone", f"hf:{hf_dir}", "--method", "perada-nokd")
     code, _, err = run_cli(args, capsys, monkeypatch)
@@ -195,6 +197,8 @@ def test_hf_run_exports_a_model_directory_that_plain_peft_loads(hf_dir, fmnist_d
     assert code == 0, err
     assert "README.md" in stdout  # the cards say how to load: a transformers backbone with its own class
     assert "AutoModelForImageClassification" in (tmp_path / "x" / "README.md").read_text()
+    for path, text in text_files(tmp_path / "x").items():  # the backbone's directory is named, not given
+        assert str(hf_dir) not in text and str(run) not in text, path
 
     backbone = AutoModelForImageClassification.from_pretrained(str(tmp_path / "x" / "backbone"))
     plain = PeftModel.from_pretrained(backbone, str(tmp_path / "x" / "clients" / "1")).eval()
@@ -213,13 +217,15 @@ def test_hf_run_exports_a_model_directory_that_plain_peft_loads(hf_dir, fmnist_d
 def test_a_merged_hf_export_loads_with_transformers_alone_and_its_pipeline_names_the_classes(
     hf_dir, fmnist_dir, tmp_path, capsys, monkeypatch
 ):
-    from .test_model_cards import run_without_peradapt, snippet
+    from .test_model_cards import run_without_peradapt, snippet, text_files
 
     run, out = tmp_path / "run", tmp_path / "merged"
     args = run_args(fmnist_dir, run, "--backbone", f"hf:{hf_dir}", "--method", "perada-nokd", "--channels", "3")
     assert run_cli(args, capsys, monkeypatch)[0] == 0
     code, _, err = run_cli(["export", "--run", str(run), "--out", str(out), "--merge"], capsys, monkeypatch)
     assert code == 0, err
+    for path, text in text_files(out).items():
+        assert str(hf_dir) not in text and str(run) not in text, path
     target = out / "clients" / "1"
     assert {"config.json", "model.safetensors", "preprocessor_config.json", "README.md"} <= {
         p.name for p in target.iterdir()

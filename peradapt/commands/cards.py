@@ -287,7 +287,7 @@ class RunCards:
     def _backbone_description(self) -> str:
         library = "transformers" if is_hf(self.backbone) else "timm"
         role = "trained whole from these weights" if self.scope == "full" else "frozen"
-        return f"`{self.backbone.removeprefix(HF_PREFIX)}` ({library}), {role}"
+        return f"`{public_backbone(self.backbone).removeprefix(HF_PREFIX)}` ({library}), {role}"
 
     def _weights_description(self) -> str:
         source = self.resolved.get("weights")
@@ -660,6 +660,17 @@ def public_data(spec: str) -> tuple[str, str | None]:
         return rest, rest.partition(":")[0]  # a Hub dataset (NAME or NAME:CONFIG)
     name = Path(rest.rstrip("/")).expanduser().name or "data"
     return (f"{name} (an image folder)" if kind == "imagefolder" else f"{name} (a local Hugging Face dataset)"), None
+
+
+def public_backbone(name: str) -> str:
+    """Backbone `name` without a path of the machine: a timm name or a Hub model (`hf:ID`) as it is, a local
+    transformers directory (`hf:PATH`) by its name."""
+    if not is_hf(name):
+        return name
+    spec = name.removeprefix(HF_PREFIX)
+    if Path(spec).expanduser().is_dir() or spec.startswith(("/", "~", ".")) or spec.count("/") > 1:
+        return HF_PREFIX + (Path(spec.rstrip("/")).name or "model")
+    return name
 
 
 def public_weights(source: str | None) -> str | None:

@@ -23,8 +23,16 @@ from peradapt.adapters import AdapterState
 from peradapt.adapters.merge import MergedNetwork, merged_network
 from peradapt.adapters.model import ADAPTER_CONFIG_FILE, FULL_MODEL_FILE
 from peradapt.backbones import BackboneInfo, save_backbone
-from peradapt.backbones.hf import is_hf
-from peradapt.commands.cards import CARD_FILE, HubTarget, RunCards, check_license, public_weights, write_cards
+from peradapt.backbones.hf import HF_PREFIX, is_hf
+from peradapt.commands.cards import (
+    CARD_FILE,
+    HubTarget,
+    RunCards,
+    check_license,
+    public_backbone,
+    public_weights,
+    write_cards,
+)
 from peradapt.config import check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError
@@ -316,7 +324,7 @@ def _is_export(directory: Path) -> bool:
 
 def _write_export(session: Session, paths: RunPaths, out: Path, adapters: ExportedAdapters, *, merge: bool) -> None:
     info = BackboneInfo(
-        session.config.backbone.backbone,
+        public_backbone(session.config.backbone.backbone),
         session.data.channels,
         session.data.image_size,
         session.trainer.inputs.mean,
@@ -329,6 +337,8 @@ def _write_export(session: Session, paths: RunPaths, out: Path, adapters: Export
         return
     for name in ("clients", "global"):
         shutil.copytree(paths.root / name, out / name)
+    if session.model.scope != "full":
+        _name_base_model(out, info.backbone)
     plain = session.model.backbone_state()
     if not is_hf(info.backbone):
         save_backbone(plain, info, out / "backbone.safetensors")
@@ -338,6 +348,17 @@ def _write_export(session: Session, paths: RunPaths, out: Path, adapters: Export
     directory = out / "backbone"
     _save_transformers(session.model.base_model.config, plain, info, directory)
     info.save(directory)  # writes directory.with_suffix(".json")
+
+
+def _name_base_model(out: Path, backbone: str) -> None:
+    """PEFT records where the base model was loaded from (`base_model_name_or_path`: for a transformers backbone, its
+    directory on this machine): every exported adapter config names the backbone as the export does instead."""
+    for path in (out / "global", *sorted((out / "clients").iterdir())):
+        config_path = path / ADAPTER_CONFIG_FILE
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.get("base_model_name_or_path") is not None:
+            config["base_model_name_or_path"] = backbone.removeprefix(HF_PREFIX)
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 
 def _write_merged(session: Session, adapters: ExportedAdapters, info: BackboneInfo, out: Path) -> None:
