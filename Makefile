@@ -25,9 +25,11 @@ demo: install fmnist
 	$(PYTHON) -m peradapt train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
 
 # The real Fashion-MNIST lets a few more tests run; without it they are skipped, so a failed install is no error.
+# One pytest-xdist worker per core, a test file to a worker (its module fixtures, such as trained runs, made once).
+TEST_WORKERS ?= logical
 test: install-test
 	-@$(MAKE) --no-print-directory fmnist
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install-test
 	ruff check . && ruff format --check .

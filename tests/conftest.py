@@ -129,6 +129,18 @@ def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs a worker per core), each worker's torch gets its share of the cores:
+    more threads than cores only makes them wait on each other."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` run where a CUDA GPU is visible (`make gpu-check`), or on the CPU where
     PERADAPT_CHECK_DEVICE=cpu says so (`gpu_check.py --device cpu`), and are skipped elsewhere."""
