@@ -133,7 +133,8 @@ class ProgressLines:
         parts = [task.description, count]
         elapsed = now - task.started
         if "samples" in task.fields and elapsed > 0:
-            parts.append(f"{task.fields['samples'] / elapsed:,.0f} samples/s")
+            rate = task.fields["samples"] / elapsed
+            parts.append(f"{rate:,.0f} samples/s" if rate >= 10 else f"{rate:.2g} samples/s")  # slow: 0.17, not 0
         parts.append(f"elapsed {timedelta(seconds=round(elapsed))}")
         return "  ".join(parts)
 
