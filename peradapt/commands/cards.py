@@ -36,6 +36,10 @@ ADAPTER_TAGS = {"residual": "residual-adapter", "lora": "lora", "none": "full-mo
 FEDERATION_ROWS = 100  # a federation card lists this many clients' scores; each client's own card has its own
 METRIC_LABELS = {"accuracy": "accuracy", "auc": "AUC"}
 METRIC_TYPES = {"accuracy": "accuracy", "auc": "roc_auc"}  # the Hub's names of the metrics, for model-index
+TEST_DATA = {  # what the test splits of a model-index are
+    "local-test": "each client's own test split",
+    "global-test": "all clients' test data",
+}
 # The Hugging Face Hub datasets that built-in sources are (a card's `datasets`); others are named where they come
 # from the Hub (`hf:NAME`), else not at all.
 HUB_DATASETS = {
@@ -184,49 +188,46 @@ class RunCards:
         return "transformers" if is_hf(self.backbone) else "timm"
 
     def _front_matter(self, name: str, scores: list[tuple[str, str, float | None]]) -> str:
-        """YAML front matter: the shared metadata and a `model-index` of `scores` (what was scored on which test
-        data, the value), as `huggingface_hub.ModelCardData` writes them (the Hub shows them as evaluation
-        results). Undefined scores (no test images) are left out."""
+        """YAML front matter: the shared metadata and a `model-index` of `scores` (which model, on which test data,
+        the value), as `huggingface_hub.ModelCardData` writes them (the Hub shows them as evaluation results). The
+        test data is the split (`local-test` or `global-test`), so that the Hub, which groups results by dataset and
+        split, keeps them apart. Undefined scores (no test images) are left out."""
         results = [
             EvalResult(
                 task_type="image-classification",
                 dataset_type=self.hub_dataset or self.data,
-                dataset_name=f"{self.data}: {test_data}",
-                dataset_split="test",
+                dataset_name=f"{self.data}, {TEST_DATA[split]}",
+                dataset_split=split,
                 metric_type=METRIC_TYPES.get(self.metric_key, self.metric_key),
-                metric_name=f"{who}, {self.metric}",
+                metric_name=f"{who}, {self.metric} on {split}",
                 metric_value=round(100 * value, 2),
             )
-            for who, test_data, value in scores
+            for who, split, value in scores
             if value is not None and not math.isnan(value)
         ]
         card_data = ModelCardData(**self.metadata, model_name=name, eval_results=results or None)
         return "---\n" + card_data.to_yaml() + "\n---"
 
     def _scores(self, client: int | str | None) -> list[tuple[str, str, float | None]]:
-        """The scores of a card's model-index: (model, test data, value) of `client`'s personalized model, of the
-        global model (None) or of the whole federation ("federation")."""
+        """The scores of a card's model-index: (model, test split, value) of `client`'s personalized model, of the
+        global model (None) or of the whole federation ("federation"); on local-test, a mean over clients but for
+        one client's own."""
         personal, global_ = self.report["personalized"], self.report["global"]
-        local_mean = "each client's own test split (local-test), mean over clients"
         if client == "federation":
             return [
-                ("personalized models", local_mean, personal["local_test"]["mean"]),
-                ("global model", "all clients' test data (global-test)", global_["global_test"]),
+                ("personalized models (mean over clients)", "local-test", personal["local_test"]["mean"]),
+                ("global model", "global-test", global_["global_test"]),
             ]
         if client is None:
             return [
-                ("global model", "all clients' test data (global-test)", global_["global_test"]),
-                ("global model", local_mean, global_["local_test"]["mean"]),
+                ("global model", "global-test", global_["global_test"]),
+                ("global model (mean over clients)", "local-test", global_["local_test"]["mean"]),
             ]
         assert isinstance(client, int)
-        index = self.position[client]
+        local = _at(personal["local_test"]["per_client"], self.position[client])
         return [
-            (
-                "personalized model",
-                f"client {client}'s test split (local-test)",
-                _at(personal["local_test"]["per_client"], index),
-            ),
-            ("personalized model", "all clients' test data (global-test)", self.personal_global.get(client)),
+            (f"client {client}'s personalized model", "local-test", local),
+            (f"client {client}'s personalized model", "global-test", self.personal_global.get(client)),
         ]
 
     def _model_noun(self) -> str:
@@ -268,7 +269,8 @@ class RunCards:
                 else "residual adapters (PerAda; Rebuffi et al. 2017 series adapters: `y + conv1x1(dropout(BN(y)))` "
                 "after conv1 and conv2 of every basic block), with the BatchNorms and the head"
             )
-            kind += "; a custom PEFT layer (built on PEFT's LoRA machinery) that peradapt registers with PEFT"
+            if not self.merged:
+                kind += "; a custom PEFT layer (built on PEFT's LoRA machinery) that peradapt registers with PEFT"
         else:
             kind = f"PEFT LoRA of rank {self.config.adapter.lora_rank} on the backbone's layers, and the head"
         if self.scope == "full" and self.kind != "none":
