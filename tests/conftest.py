@@ -131,14 +131,17 @@ def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs a worker per core), each worker's torch gets its share of the cores:
-    more threads than cores only makes them wait on each other."""
+    more threads than cores only makes them wait on each other. The processes a test starts get the same share
+    (OMP_NUM_THREADS), so that a run in a subprocess computes as the test's own: float sums depend on the threads."""
     import os
 
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
