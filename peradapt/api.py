@@ -22,7 +22,14 @@ from typing import Any
 
 from rich.console import Console
 
-from peradapt.config import TrainConfig, read_config_file
+from peradapt.config import (
+    MethodConfig,
+    TrainConfig,
+    origins_named,
+    read_config_file,
+    setting_origins,
+    settings_for_method,
+)
 from peradapt.errors import ConfigError
 from peradapt.progress import text_console
 
@@ -48,10 +55,16 @@ def training_config(
         if preset or config_file:
             raise ConfigError("--resume continues with the run's saved settings: drop --preset and --config")
         return resume_config(Path(settings["out"]), settings)
-    values: dict[str, Any] = preset_settings(preset) if preset else {}
-    values.update(read_config_file(Path(config_file)) if config_file else {})
-    values.update(settings)
-    return TrainConfig.from_flat(values)
+    from_preset = preset_settings(preset) if preset else {}
+    from_file = read_config_file(Path(config_file)) if config_file else {}
+    method = {**from_preset, **from_file, **settings}.get("method", MethodConfig.method)
+    # A preset sets its method's own settings, which another --method (the paper's baselines on its setup) goes without.
+    values = {**settings_for_method(from_preset, method), **from_file, **settings}
+    origins = setting_origins([(from_preset, f"--preset {preset}"), (from_file, f"--config {config_file}")], settings)
+    with origins_named(origins):
+        config = TrainConfig.from_flat(values)
+    config.origins = origins
+    return config
 
 
 def train(
@@ -75,7 +88,8 @@ def train(
         config = training_config(resume=resume, preset=preset, config_file=config_file, **_as_text(settings))
     elif settings or preset or config_file:
         raise ConfigError("train takes a TrainConfig or settings, not both: put the settings into the config")
-    return run_training(config, resume=resume, console=_console(console, quiet))
+    with origins_named(config.origins):
+        return run_training(config, resume=resume, console=_console(console, quiet))
 
 
 def evaluate(
@@ -83,28 +97,39 @@ def evaluate(
     *,
     ood: str | None = None,
     ood_limit: int | None = None,
+    weights: PathLike | None = None,
     quiet: bool = False,
     console: Console | None = None,
 ) -> dict:
     """local-test and global-test of every exported adapter of a finished run (written to `eval.json`), or with
-    `ood` their accuracy on an out-of-distribution set (`ood-NAME.json`; `ood_limit`: images per part)."""
+    `ood` their accuracy on an out-of-distribution set (`ood-NAME.json`; `ood_limit`: images per part).
+    `weights`: the backbone weights file the run was trained on, where this machine has no copy of them (checked
+    against the run's fingerprint); the same in `export` and `personalize_new_client`."""
     from peradapt.commands.finished_run import evaluate_ood_run, evaluate_run
 
+    weights_file = _path(weights)
     if ood is not None:
-        return evaluate_ood_run(Path(run), ood, limit=ood_limit, console=_console(console, quiet))
+        return evaluate_ood_run(Path(run), ood, limit=ood_limit, weights=weights_file, console=_console(console, quiet))
     if ood_limit is not None:
         raise ConfigError("--ood-limit needs --ood NAME")
-    return evaluate_run(Path(run))
+    return evaluate_run(Path(run), weights=weights_file)
 
 
-def export(run: PathLike, out: PathLike, *, merge: bool = False, license: str | None = None) -> Path:
+def export(
+    run: PathLike,
+    out: PathLike,
+    *,
+    merge: bool = False,
+    license: str | None = None,
+    weights: PathLike | None = None,
+) -> Path:
     """Every client's adapter and the global adapter (PEFT layout) with their frozen backbone, into `out`, each with
     a model card declaring `license` (default: the backbone weights' own, where known). `merge`: instead every
     client's model and the global one with the adapters folded into the backbone, plain timm or transformers
     models that load without peradapt."""
     from peradapt.commands.finished_run import export_run
 
-    return export_run(Path(run), Path(out), merge=merge, license=license)
+    return export_run(Path(run), Path(out), merge=merge, license=license, weights=_path(weights))
 
 
 def push_to_hub(
@@ -116,22 +141,26 @@ def push_to_hub(
     private: bool = False,
     merge: bool = False,
     license: str | None = None,
+    weights: PathLike | None = None,
 ) -> str:
-    """`export` into `out` (`merge`, `license`: as there), then upload it to the Hugging Face model repository
-    `repo_id` (OWNER/NAME): the backbone, the global model, the models of `clients` (ids, or "all") and their model
-    cards; returns its URL."""
+    """`export` into `out` (`merge`, `license`, `weights`: as there), then upload it to the Hugging Face model
+    repository `repo_id` (OWNER/NAME): the backbone, the global model, the models of `clients` (ids, or "all") and
+    their model cards; returns its URL."""
     from peradapt.commands.share import push_export
 
     chosen = clients if isinstance(clients, str) else ",".join(str(client) for client in clients)
-    return push_export(Path(run), Path(out), repo_id, chosen, private=private, merge=merge, license=license)
+    return push_export(
+        Path(run), Path(out), repo_id, chosen, private=private, merge=merge, license=license, weights=_path(weights)
+    )
 
 
-def personalize_new_client(run: PathLike, new_client: str) -> dict:
+def personalize_new_client(run: PathLike, new_client: str, *, weights: PathLike | None = None) -> dict:
     """Personalize a client that never took part in training (a held-out client's id, or a directory of its
-    images) from the run's global model with the run's method; returns its `result.json`."""
+    images) from the run's global model with the run's method (`weights`: as `evaluate` takes them); returns its
+    `result.json`."""
     from peradapt.commands.newclients import personalize_new_client as personalize
 
-    return personalize(Path(run), str(new_client))
+    return personalize(Path(run), str(new_client), weights=_path(weights))
 
 
 def pretrain(*, quiet: bool = False, console: Console | None = None, **settings: Any) -> tuple[Path, float]:
@@ -162,8 +191,10 @@ def compare(
     from peradapt.comparison import compare as run_compare
 
     values: dict[str, Any] = read_config_file(Path(config_file)) if config_file else {}
+    origins = setting_origins([(values, f"--config {config_file}")], settings)
     values.update(_as_text(settings))
-    return run_compare(values, list(methods), list(range(seeds)), Path(out), _console(console, quiet))
+    with origins_named(origins):
+        return run_compare(values, list(methods), list(range(seeds)), Path(out), _console(console, quiet))
 
 
 def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
@@ -176,6 +207,10 @@ def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
 def _as_text(settings: dict[str, Any]) -> dict[str, Any]:
     """Paths as the strings configs hold."""
     return {key: str(value) if isinstance(value, Path) else value for key, value in settings.items()}
+
+
+def _path(path: PathLike | None) -> Path | None:
+    return None if path is None else Path(path)
 
 
 def _console(console: Console | None, quiet: bool) -> Console:

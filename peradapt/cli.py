@@ -56,6 +56,16 @@ class PlainTextCommand(typer.core.TyperCommand):
 Opt = typer.Option
 INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation; partition.json has them all
 RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
+RunWeights = Annotated[
+    Path | None,
+    Opt(
+        "--weights",
+        help="The backbone weights file (safetensors) the run was trained on, where this machine has no copy of them "
+        "(the run looks in $PERADAPT_HOME/backbones/sha256/FINGERPRINT.safetensors); checked against the run's "
+        "fingerprint.",
+        show_default=False,
+    ),
+]
 
 
 @app.command(cls=PlainTextCommand)
@@ -218,19 +228,20 @@ def evaluate(
         ),
     ] = None,
     ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
+    weights: RunWeights = None,
 ) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
     from peradapt.commands.finished_run import ood_report_name, ood_table
     from peradapt.evaluation import results_table, summarize
 
     if ood is not None:
-        result = api.evaluate(run, ood=ood, ood_limit=ood_limit, console=err_console)
+        result = api.evaluate(run, ood=ood, ood_limit=ood_limit, weights=weights, console=err_console)
         console = out_console if out_console.is_terminal else text_console(width=120)
         console.print(ood_table(result, f"{ood} on {run}, {counted(len(result['clients']), 'client')}"))
         out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return
-    evaluation = api.evaluate(run, ood_limit=ood_limit)
+    evaluation = api.evaluate(run, ood_limit=ood_limit, weights=weights)
     out_console.print(results_table(summarize(evaluation), f"evaluation of {run}", evaluation["metric"]))
     out_console.print(f"written to {run / 'eval.json'}", soft_wrap=True)
 
@@ -270,16 +281,19 @@ def export(
             show_default=False,
         ),
     ] = None,
+    weights: RunWeights = None,
 ) -> None:
     """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone, and a model card
     (README.md) for each that says how to load it; with --merge, whole models instead."""
     if push_to_hub is None and (clients is not None or private):
         raise ConfigError("--clients and --private choose what --push-to-hub uploads: add --push-to-hub OWNER/NAME")
     if push_to_hub is None:
-        path, url = api.export(run, out, merge=merge, license=license), None
+        path, url = api.export(run, out, merge=merge, license=license, weights=weights), None
     else:
         chosen = "all" if clients is None else clients
-        url = api.push_to_hub(run, out, push_to_hub, clients=chosen, private=private, merge=merge, license=license)
+        url = api.push_to_hub(
+            run, out, push_to_hub, clients=chosen, private=private, merge=merge, license=license, weights=weights
+        )
         path = out
     what = "merged models" if merge else "adapters, backbone"
     out_console.print(f"{what} and model cards written to {path}", soft_wrap=True)
@@ -300,6 +314,7 @@ def personalize(
             show_default=False,
         ),
     ],
+    weights: RunWeights = None,
 ) -> None:
     """Personalize a client that never took part in training, from the run's global model, with the run's method.
 
@@ -307,7 +322,7 @@ def personalize(
     result.json under RUN/new_clients/<name>/."""
     from peradapt.evaluation.report import METRIC_LABELS
 
-    result = api.personalize_new_client(run, new_client)
+    result = api.personalize_new_client(run, new_client, weights=weights)
     before, after = result["before"]["local_test"], result["after"]["local_test"]
     out_console.print(
         f"new client {result['client']} ({result['method']}): local-test {METRIC_LABELS[result['metric']]} "

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, MutableMapping
+import re
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from peradapt.errors import ConfigError
+from peradapt.errors import ConfigError, PeradaptError
 from peradapt.progress import counted
 from peradapt.settings import NoSettings, Setting, declared_settings, markdown_table, setting
 
@@ -651,6 +653,9 @@ class TrainConfig:
     )
     # The --method's own settings, an instance of its `settings_class`; None: their defaults.
     method_settings: Any = None
+    # Where the settings the user did not give as flags or arguments came from, by key ("--preset NAME", "--config
+    # FILE"): errors that name one of them say so (`origins_named`). Not a setting: config.json does not keep it.
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method_settings is None:
@@ -726,15 +731,12 @@ class TrainConfig:
                 flat.update(value)
             else:
                 flat[key] = value
-        method = flat.get("method", MethodConfig.method)
-        takes = {declared.name for declared in declared_settings(settings_class_of(method))}  # a plugin: found first
         for key, value in flat.items():
             declared = find_setting(key)
             if declared is not None and not declared.is_json_type(value):
                 kind = declared.type.replace(" | None", " or null")
                 raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}")
-        others = _method_declarations().keys() - takes - _SHARED.keys()
-        return cls.from_flat({key: value for key, value in flat.items() if key not in others})
+        return cls.from_flat(settings_for_method(flat, flat.get("method", MethodConfig.method)))
 
     def validate(self) -> None:
         """Every setting's own checks (`Setting.validate`), then the rules between settings."""
@@ -846,12 +848,11 @@ def setting_owners(key: str) -> list[str]:
 
 
 def settings_for_method(values: dict[str, Any], method: str) -> dict[str, Any]:
-    """`values` without the method settings that `method` does not take (compare's runs of several methods)."""
-    return {
-        key: value
-        for key, value in values.items()
-        if key.replace("-", "_") in _SHARED or method in setting_owners(key.replace("-", "_"))
-    }
+    """`values` without the settings of registered methods that `method` does not take: compare's runs of several
+    methods, a preset's method under another --method, an old config.json. Keys no setting has stay, to be refused."""
+    takes = {declared.name for declared in declared_settings(settings_class_of(method))}  # a plugin: found first
+    others = _method_declarations().keys() - takes
+    return {key: value for key, value in values.items() if key.replace("-", "_") not in others}
 
 
 def listed_settings() -> list[tuple[Setting, str]]:
@@ -877,21 +878,61 @@ def settings_markdown() -> str:
     return intro + markdown_table(listed_settings())
 
 
+_FLAG_IN_MESSAGE = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+
+
+def setting_origins(sources: Iterable[tuple[Iterable[str], str]], given: Iterable[str]) -> dict[str, str]:
+    """By key, where each setting that is not in `given` (the flags, the API's arguments) came from: the last of
+    `sources`, (keys, "--preset NAME" or "--config FILE") in the order they are applied, that sets it."""
+    origins = {key.replace("-", "_"): origin for keys, origin in sources for key in keys}
+    for key in given:
+        origins.pop(key.replace("-", "_"), None)
+    return origins
+
+
+@contextmanager
+def origins_named(origins: Mapping[str, str]) -> Iterator[None]:
+    """A PeradaptError raised in the block that names a flag whose value came from a preset or config file
+    (`origins`, by key) says so, with how to override it: `--preset perada-cifar10 --data fmnist` is refused for a
+    `--kd-data cifar100` that the user never typed."""
+    try:
+        yield
+    except PeradaptError as error:
+        flags = dict.fromkeys(_FLAG_IN_MESSAGE.findall(str(error)))  # each once, in the order the message names them
+        named = [flag for flag in flags if flag[2:].replace("-", "_") in origins]
+        if not named:
+            raise
+        sources = {flag: origins[flag[2:].replace("-", "_")] for flag in named}
+        note = ", ".join(f"{flag} came from {source}" for flag, source in sources.items())
+        # A preset's value is overridden by giving it; a config file's the user wrote, and edits where it stands.
+        from_preset = [flag for flag, source in sources.items() if source.startswith("--preset ")]
+        if from_preset:
+            note += (
+                f": give {' and '.join(from_preset)} yourself to override {'them' if len(from_preset) > 1 else 'it'}"
+            )
+        raise type(error)(f"{error} ({note})") from None
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Flat settings from a YAML or JSON file (nested sections as written by a run's config.json work too)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give a YAML or JSON file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    import yaml
+
     try:
         text = path.read_text(encoding="utf-8")
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text)
-        else:
-            values = json.loads(text)
-    except Exception as exc:  # the parser's own message says where the syntax error is
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        values = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+    except yaml.MarkedYAMLError as exc:  # its own text spans lines, with the offending line drawn under a caret
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"cannot read config file {path}: {where}{exc.problem or exc.context}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"cannot read config file {path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {' '.join(str(exc).split())}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings")
     flat: dict[str, Any] = {}

@@ -152,9 +152,7 @@ class Setting:
         base = self.base_type
         try:
             if base == "bool":
-                if isinstance(value, str):
-                    return value.lower() in ("1", "true", "yes", "on")
-                return bool(value)
+                return _boolean(value)
             if base == "int":
                 if isinstance(value, float) and not value.is_integer():
                     raise ValueError
@@ -163,7 +161,8 @@ class Setting:
                 return float(value)
             return str(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"setting '{key}' must be {base}, got {value!r}") from None
+            kind = "true or false" if base == "bool" else base
+            raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}") from None
 
     def is_json_type(self, value: Any) -> bool:
         """Whether `value`, read from JSON, is of this setting's type as config.json holds it (a float setting takes
@@ -258,6 +257,20 @@ def markdown_table(rows: Iterable[tuple[Setting, str]]) -> str:
 def _cell(text: str) -> str:
     """Text in a Markdown table cell: no column breaks, and `<class>` shown, not read as HTML."""
     return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+# The words a bool setting takes as text (an API call's string, a quoted YAML value): YAML 1.1's own booleans.
+# Anything else (`maybe`, `2`, `0`) is refused: read as false, a typo would silently turn a switch off.
+BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def _boolean(value: Any) -> bool:
+    """`value` as a bool setting: a bool, or one of `BOOLEAN_WORDS` in any case; ValueError for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
+    raise ValueError(value)
 
 
 def _number(value: float) -> str:

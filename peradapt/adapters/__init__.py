@@ -1,5 +1,16 @@
 """Adapters injected into a frozen backbone through PEFT, and their flat state dicts."""
 
+try:
+    import peft  # noqa: F401  (imported first here, so that a broken environment says what to install)
+except ModuleNotFoundError as missing:
+    # PEFT imports transformers at once (and requires it: pip installs it with peradapt), so only an environment it
+    # was removed from lacks it; without PEFT no adapter exists, so peradapt cannot start.
+    if (missing.name or "").partition(".")[0] != "transformers":
+        raise
+    raise ImportError(
+        "peradapt needs transformers, which PEFT imports and this environment lacks: pip install 'peradapt[hf]'"
+    ) from None
+
 from peradapt.adapters.model import (
     ADAPTER_KINDS,
     SCOPES,

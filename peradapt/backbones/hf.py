@@ -6,7 +6,8 @@ rebuilt from its config with the task's classes and channels, then given the pre
 as a timm backbone (fresh head, input projection summed over channels for grayscale data). Only safetensors
 weights are read, never pickles.
 
-transformers is optional (`pip install 'peradapt[hf]'`) and imported only when an `hf:` backbone is used.
+transformers comes with PEFT, but hf: backbones need 4.40 or later (`pip install 'peradapt[hf]'`); it is imported
+here only when an `hf:` backbone is used.
 """
 
 from __future__ import annotations

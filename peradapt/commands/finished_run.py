@@ -45,8 +45,8 @@ from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.lock import reads_run
 
 
-def open_run(run_dir: Path) -> Session:
-    return open_session(run_dir)
+def open_run(run_dir: Path, weights: Path | None) -> Session:
+    return open_session(run_dir, weights=weights)
 
 
 @dataclass
@@ -116,11 +116,12 @@ def _tensor_shapes(path: Path, remedy: str) -> dict[str, list[int]]:
 
 
 @reads_run
-def evaluate_run(run_dir: Path) -> dict:
+def evaluate_run(run_dir: Path, *, weights: Path | None = None) -> dict:
     """local-test of every exported personalized adapter and of the global adapter, and their global-test (of a
-    sample of the personalized adapters in a large federation: see `Session.client_sample`)."""
+    sample of the personalized adapters in a large federation: see `Session.client_sample`); `weights`: the
+    backbone's file where the run's copy is not here (`open_session`)."""
     paths = RunPaths(run_dir)
-    session = open_run(run_dir)
+    session = open_run(run_dir, weights)
     adapters = ExportedAdapters.open(session, paths)
     evaluation = evaluate_adapters(
         session.trainer,
@@ -151,7 +152,13 @@ def image_target(session: Session) -> OodTarget:
 
 @reads_run
 def evaluate_ood_run(
-    run_dir: Path, name: str, *, limit: int | None = None, seed: int = 0, console: Console | None = None
+    run_dir: Path,
+    name: str,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    weights: Path | None = None,
+    console: Console | None = None,
 ) -> dict:
     """Accuracy of every exported personalized adapter and of the global adapter on each part of OOD set ``name``.
 
@@ -163,7 +170,7 @@ def evaluate_ood_run(
     from peradapt.home import peradapt_home
 
     paths = RunPaths(run_dir)
-    session = open_run(run_dir)
+    session = open_run(run_dir, weights)
     if session.data.global_test.multilabel:
         raise ConfigError(
             f"{run_dir} is a multi-label run ({session.config.data.data}): the OOD sets are single-label class sets"
@@ -260,13 +267,20 @@ _EXPORT_ENTRIES = frozenset({"clients", "global", "backbone.safetensors", "backb
 
 @reads_run
 def export_run(
-    run_dir: Path, out: Path, *, hub: HubTarget | None = None, merge: bool = False, license: str | None = None
+    run_dir: Path,
+    out: Path,
+    *,
+    hub: HubTarget | None = None,
+    merge: bool = False,
+    license: str | None = None,
+    weights: Path | None = None,
 ) -> Path:
     """Copy the run's adapters to `out` with the frozen backbone they were trained on, ready to load with PEFT, and
     a model card (README.md) for each and for the federation (`hub`: the upload they will describe, if any;
     `license`: the license the cards declare, default the backbone weights' own where known). `merge`: instead,
     each client's model (and the global one) with its adapters folded into the backbone, a plain timm or
-    transformers model that loads without peradapt (`peradapt.adapters.merge`).
+    transformers model that loads without peradapt (`peradapt.adapters.merge`). `weights`: the backbone's file
+    where the run's copy is not here (`open_session`).
 
     The export is written into a new directory beside `out`, then moved into place: it replaces an earlier export
     at `out` as a whole (no client of an earlier, larger run is left), and a failed export leaves `out` as it was.
@@ -276,7 +290,7 @@ def export_run(
     if license is not None:
         check_license(license)
     paths = RunPaths(run_dir)
-    session = open_run(run_dir)
+    session = open_run(run_dir, weights)
     adapters = ExportedAdapters.open(session, paths)
     adapters.check_complete()
     if merge:  # what does not merge is refused before anything is written

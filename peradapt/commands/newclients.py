@@ -38,13 +38,14 @@ TEST_SHARE = 0.25  # of a new client's images kept for its local test when its d
 
 
 @reads_run
-def personalize_new_client(run_dir: Path, spec: str) -> dict:
-    """Personalize new client `spec` (held-out id or image directory) of the finished run in `run_dir`.
+def personalize_new_client(run_dir: Path, spec: str, *, weights: Path | None = None) -> dict:
+    """Personalize new client `spec` (held-out id or image directory) of the finished run in `run_dir` (`weights`:
+    the backbone's file where the run's copy is not here, `open_session`).
 
     Returns what `new_clients/<name>/result.json` records.
     """
     paths = RunPaths(run_dir)
-    session = open_run(run_dir)
+    session = open_run(run_dir, weights)
     name, client = _new_client(session, spec, run_dir)
     if not paths.global_adapter.is_dir() or not paths.report.is_file():
         raise RunError(

@@ -63,10 +63,12 @@ def push_export(
     private: bool = False,
     merge: bool = False,
     license: str | None = None,
+    weights: Path | None = None,
 ) -> str:
-    """Export the run to `out` (with cards that name the repository; `merge` and `license` as `export_run` takes
-    them) and upload it to Hugging Face model repository `repo_id` (created if new, `private` then): backbone,
-    global adapter, the adapters of `clients` (see `select_clients`) and the cards. Returns the repository's URL."""
+    """Export the run to `out` (with cards that name the repository; `merge`, `license` and `weights` as
+    `export_run` takes them) and upload it to Hugging Face model repository `repo_id` (created if new, `private`
+    then): backbone, global adapter, the adapters of `clients` (see `select_clients`) and the cards. Returns the
+    repository's URL."""
     read_run_config(run_dir)  # a directory that is no run says so
     report = read_report(run_dir)
     if report is None:
@@ -78,7 +80,7 @@ def push_export(
     if license is not None:
         check_license(license)
     _check_can_upload()
-    export_run(run_dir, out, hub=HubTarget(repo_id, chosen), merge=merge, license=license)
+    export_run(run_dir, out, hub=HubTarget(repo_id, chosen), merge=merge, license=license, weights=weights)
     whole = set(chosen) == set(report["clients"])
     allowed = [*_SHARED_FILES, *(["clients/*"] if whole else [f"clients/{client}/*" for client in chosen])]
     api = HfApi()

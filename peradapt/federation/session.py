@@ -194,9 +194,7 @@ def build_session(
     if backbone_sha256 is not None and fingerprint != backbone_sha256:
         raise WeightsError(
             f"the backbone weights {info.source} are not the ones this run was trained on (fingerprint "
-            f"{fingerprint[:12]}, the run's {backbone_sha256[:12]}) and the run's pinned copy "
-            f"{pinned_weights_path(backbone_sha256)} is gone: put back the weights it was trained on, or train a "
-            "new run"
+            f"{fingerprint[:12]}, the run's {backbone_sha256[:12]}): give the weights it was trained on"
         )
     backbone.to(device)
     if device.type == "cuda":
@@ -233,28 +231,49 @@ def build_session(
     return Session(config, data, model, trainer, method, store, initial, info, kind, device, fingerprint)
 
 
-def open_session(run_dir: Path, config: TrainConfig | None = None, *, client_store: Path | None = None) -> Session:
+def open_session(
+    run_dir: Path,
+    config: TrainConfig | None = None,
+    *,
+    client_store: Path | None = None,
+    weights: Path | None = None,
+) -> Session:
     """The session of the saved run in `run_dir`, with `config` (default: its saved one; else one with the changes
-    `--resume` or a Flower node may make), on the backbone the run was trained on: the pinned copy of its weights
-    file where this machine has it (unless `config` names other weights), and in any case weights of the run's
-    recorded fingerprint (runs from before fingerprints: any)."""
+    `--resume` or a Flower node may make), on the backbone the run was trained on: the weights file `weights`
+    (`eval`/`export`/`personalize --weights`), else the pinned copy of its weights file where this machine has it
+    (unless `config` names other weights), and in any case weights of the run's recorded fingerprint (runs from
+    before fingerprints: any)."""
     saved, resolved = read_run_config(run_dir)
     config = config or saved
     fingerprint = resolved.get("backbone_sha256")
-    weights = None
-    if fingerprint is not None and config.backbone.weights == saved.backbone.weights:
-        pinned = pinned_weights_path(fingerprint)
-        weights = pinned if pinned.is_file() else None
-    session = build_session(
-        config,
-        read_partition(run_dir),
-        client_store=client_store,
-        weights=weights,
-        backbone_sha256=fingerprint,
-        recorded_image_size=resolved.get("image_size"),
-    )
-    if weights is not None:  # the same weights as the file the run names: it keeps naming it
-        session.backbone.source, session.pinned_copy = resolved.get("weights", session.backbone.source), weights
+    trained_on = resolved.get("weights", config.backbone.weights)
+    if weights is not None and not weights.is_file():
+        raise WeightsError(f"--weights {weights} is not a file: give the weights file {run_dir} was trained on")
+    pinned = pinned_weights_path(fingerprint) if fingerprint is not None else None
+    pinned_copy = pinned if weights is None and pinned is not None and pinned.is_file() else None
+    if config.backbone.weights != saved.backbone.weights:  # `--resume` or a Flower node naming other weights
+        pinned_copy = None
+    try:
+        session = build_session(
+            config,
+            read_partition(run_dir),
+            client_store=client_store,
+            weights=weights or pinned_copy,
+            backbone_sha256=fingerprint,
+            recorded_image_size=resolved.get("image_size"),
+        )
+    except WeightsError:
+        if pinned is None or weights is not None or pinned_copy is not None:
+            raise
+        # Without the run's copy, the weights it names are gone or were replaced (a new `pretrain`, another machine).
+        raise WeightsError(
+            f"{run_dir} was trained on the backbone weights {trained_on} (fingerprint {fingerprint[:12]}), and this "
+            f"machine has neither them nor the run's copy of them: copy that weights file (with its .json) to "
+            f"{pinned}, where the run looks for it, or give it to eval, export or personalize with --weights FILE"
+        ) from None
+    if pinned_copy is not None or (weights is not None and fingerprint is not None):
+        # The weights the run names, as their fingerprint says: it keeps naming them as it was trained.
+        session.backbone.source, session.pinned_copy = trained_on or session.backbone.source, pinned_copy
     return session
 
 

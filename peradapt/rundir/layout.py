@@ -53,6 +53,13 @@ def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
     """The saved config of the run in `run_dir` and what its settings resolved to (config.json), checked."""
     paths = RunPaths(run_dir)
     if not paths.config.is_file():
+        # A new run writes partition.json (through partition.json.tmp) before config.json, which marks a run.
+        if paths.partition.exists() or paths.partition.with_name(paths.partition.name + ".tmp").exists():
+            raise RunError(
+                f"{run_dir} holds a run stopped while it wrote its start (partition.json, no config.json): no round "
+                f"of it ran, so start it again, with the `peradapt train` command that began it and no --resume, or "
+                f"delete {run_dir}"
+            )
         raise RunError(f"{run_dir} is not a peradapt run directory (no config.json): pass the --out of a train run")
     remedy = (
         "the run's settings are kept nowhere else: put back a copy of the file, or start a new run with the "

@@ -1,0 +1,171 @@
+"""Messages that said something misleading (issue 27): each names what the user gave, where a value came from and
+what to do, in one `error:` line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import peradapt
+from peradapt.config import TrainConfig
+from peradapt.errors import ConfigError
+
+from .conftest import TINY_BACKBONE
+from .test_cli import expect_refusal, expect_user_error, run_cli, run_main, tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, pretrained_home, fmnist_dir) -> tuple[Path, Path]:
+    """A finished one-round run, and its pinned copy of the backbone in the home it was trained in."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    run_main(tiny_args(fmnist_dir, run, "--rounds", "1", "--holdout-clients", "1"), pretrained_home)
+    fingerprint = json.loads((run / "config.json").read_text())["resolved"]["backbone_sha256"]
+    return run, pretrained_home / "backbones" / "sha256" / f"{fingerprint}.safetensors"
+
+
+def test_a_run_elsewhere_says_where_it_expects_its_backbone_and_takes_weights(finished, tmp_path, capsys, monkeypatch):
+    run, pinned = finished
+    monkeypatch.setenv("PERADAPT_HOME", str(tmp_path / "other-home"))
+    expected = tmp_path / "other-home" / "backbones" / "sha256" / pinned.name
+    err = expect_refusal(["eval", "--run", str(run)], capsys, monkeypatch, str(expected), "--weights", untouched=run)
+    assert "pretrain" not in err  # a new pretrain would have another fingerprint
+    code, _, err = run_cli(["eval", "--run", str(run), "--weights", str(pinned)], capsys, monkeypatch)
+    assert code == 0, err
+    exported = tmp_path / "export"
+    code, _, err = run_cli(
+        ["export", "--run", str(run), "--out", str(exported), "--weights", str(pinned)], capsys, monkeypatch
+    )
+    assert code == 0 and (exported / "README.md").is_file(), err
+    code, _, err = run_cli(
+        ["personalize", "--run", str(run), "--new-client", "3", "--weights", str(pinned)], capsys, monkeypatch
+    )
+    assert code == 0, err
+    assert peradapt.evaluate(run, weights=pinned)["metric"]
+
+
+def test_weights_given_to_a_finished_run_are_checked(finished, tmp_path, capsys, monkeypatch):
+    run, pinned = finished
+    monkeypatch.setenv("PERADAPT_HOME", str(tmp_path / "other-home"))
+    other = load_file(str(pinned))
+    first = next(iter(other))
+    other[first] = other[first] + 1
+    save_file(other, str(tmp_path / "other.safetensors"))
+    for weights, needles in (
+        (tmp_path / "other.safetensors", ["other.safetensors", "not the ones this run was trained on"]),
+        (tmp_path / "missing.safetensors", ["--weights", "missing.safetensors", "not a file"]),
+        (tmp_path, ["--weights", "not a file"]),
+    ):
+        for command in (["eval"], ["export", "--out", str(tmp_path / "export")], ["personalize", "--new-client", "3"]):
+            args = [*command, "--run", str(run), "--weights", str(weights)]
+            expect_refusal(args, capsys, monkeypatch, *needles, untouched=run)
+    assert not (tmp_path / "export").exists()
+
+
+def test_an_error_about_a_preset_value_says_it_came_from_the_preset(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    base = ["train", "--preset", "perada-cifar10", "--data", "fmnist", "--data-dir", str(fmnist_dir)]
+    base += ["--backbone", TINY_BACKBONE, "--out", str(run)]
+    expect_refusal(
+        base, capsys, monkeypatch, "--kd-data", "came from --preset perada-cifar10", "give --kd-data", untouched=run
+    )
+    err = expect_refusal([*base, "--kd-data", "cifar100"], capsys, monkeypatch, "--kd-data", untouched=run)
+    assert "came from" not in err  # the user typed it
+    err = expect_refusal([*base, "--clients", "4"], capsys, monkeypatch, "--clients-per-round", untouched=run)
+    assert "--clients-per-round came from --preset perada-cifar10" in err and "--clients came" not in err
+    config = tmp_path / "c.yaml"
+    config.write_text("clients_per_round: 30\n")
+    err = expect_user_error(["train", "--config", str(config), "--out", str(run)], capsys, monkeypatch)
+    assert f"--clients-per-round came from --config {config}" in err
+
+
+def test_a_switch_takes_a_boolean_only(tmp_path):
+    for value in ("maybe", "2", 1, "0"):
+        with pytest.raises(ConfigError, match="'download' must be true or false"):
+            TrainConfig.from_flat({"download": value})
+    for value, expected in ((True, True), ("yes", True), ("Off", False), ("false", False)):
+        assert TrainConfig.from_flat({"download": value}).data.download is expected
+    config = tmp_path / "c.yaml"
+    config.write_text("download: maybe\n")
+    with pytest.raises(ConfigError, match="must be true or false, got 'maybe'"):
+        peradapt.training_config(config_file=config)
+
+
+@pytest.mark.parametrize("left", ["partition.json", "partition.json.tmp"])
+def test_a_run_killed_while_writing_its_start_says_so(left, tmp_path, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / left).write_text("{")
+    for args in (["train", "--resume", "--out", str(run)], ["eval", "--run", str(run)]):
+        err = expect_refusal(args, capsys, monkeypatch, "stopped while it wrote its start", untouched=run)
+        assert "without --resume" in err.replace("no --resume", "without --resume")
+        assert "not a peradapt run directory" not in err
+
+
+def test_a_method_setting_given_to_another_method_is_refused(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    args = tiny_args(fmnist_dir, run, "--feddyn-alpha", "0.1", "--method", "perada")
+    expect_refusal(args, capsys, monkeypatch, "--feddyn-alpha", "feddyn", "--method perada", untouched=run)
+    config = tmp_path / "c.yaml"
+    config.write_text("method: fedavg\nfeddyn_alpha: 0.1\n")
+    with pytest.raises(ConfigError, match="--feddyn-alpha is a setting of feddyn: --method fedavg"):
+        peradapt.training_config(config_file=config)
+    # What a preset sets for its own method is not the user's: another --method runs on the preset without it.
+    baseline = peradapt.training_config(preset="perada-cifar10", method="ditto")
+    assert baseline.method.method == "ditto" and baseline.data.kd_data == "cifar100"
+    assert peradapt.training_config(preset="perada-cifar10").method_settings.frozen_bn_statistics == "local"
+    # compare gives each method its own, and refuses a key no setting has rather than dropping it.
+    config.write_text("kd_stepz: 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'kd_stepz'"):
+        peradapt.compare(["fedavg"], seeds=1, out=tmp_path / "compare", config_file=config, quiet=True)
+    assert not (tmp_path / "compare").exists()
+    # An old config.json holds every method's settings: they still load.
+    saved = TrainConfig(method=TrainConfig().method).to_dict()
+    saved["method"]["feddyn_alpha"] = 0.01
+    assert TrainConfig.from_dict(saved).method.method == "perada"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needles"),
+    [
+        ("bad.yaml", "a: [1,\nb: 2\n", ["bad.yaml: line 3, column 1: expected ',' or ']'"]),
+        ("tab.yaml", "a:\n\t- 1\n", ["tab.yaml: line 2, column 1:"]),
+        ("bad.json", '{"a": 1,}', ["bad.json: line 1, column 9: Expecting property name"]),
+    ],
+)
+def test_a_config_file_error_is_one_line_with_its_place(name, text, needles, tmp_path, capsys, monkeypatch):
+    path = tmp_path / name
+    path.write_text(text)
+    err = expect_user_error(["train", "--config", str(path)], capsys, monkeypatch, *needles)
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_config_directory_is_called_one(tmp_path, capsys, monkeypatch):
+    expect_user_error(["train", "--config", str(tmp_path)], capsys, monkeypatch, "is a directory")
+
+
+def test_without_transformers_import_peradapt_names_the_install():
+    blocker = textwrap.dedent(
+        """
+        import sys
+
+        class NoTransformers:
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] == "transformers":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NoTransformers())
+        import peradapt
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: peradapt needs transformers") and "pip install 'peradapt[hf]'" in last
