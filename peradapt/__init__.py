@@ -8,6 +8,11 @@ subclasses `Method` or `LocalSGDMethod`, or a built-in method (`method_class("fe
 `--method module:Class` (docs/ADDING_A_METHOD.md).
 """
 
+# ruff: noqa: E402  (the first line below runs before the imports of torch, timm and PEFT that follow it)
+from peradapt.errors import quiet_interrupts_while_starting
+
+quiet_interrupts_while_starting()
+
 from typing import Any
 
 from peradapt import backbones as _backbones  # noqa: F401  (registers narrow ResNets with timm)

@@ -10,7 +10,8 @@ and prints what these return).
 
 Settings are the `train` flags with underscores (`clients_per_round=8`, `kd_steps=50`), as in a config file, or a
 whole `TrainConfig`. A mistake raises a `peradapt.PeradaptError` whose message is the command line's `error:` line;
-nothing is written then. Progress goes to stderr, as on the command line (`quiet=True`: nothing).
+nothing is written then. The machine refusing a write (a read-only place, a full disk) raises a `MachineError`, its
+`PeradaptError` too. Progress goes to stderr, as on the command line (`quiet=True`: nothing).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from peradapt.config import (
     setting_origins,
     settings_for_method,
 )
-from peradapt.errors import ConfigError
+from peradapt.errors import ConfigError, refusals_reported
 from peradapt.progress import text_console
 
 PathLike = str | Path
 
 
+@refusals_reported
 def training_config(
     *,
     resume: bool = False,
@@ -67,6 +69,7 @@ def training_config(
     return config
 
 
+@refusals_reported
 def train(
     config: TrainConfig | None = None,
     /,
@@ -92,6 +95,7 @@ def train(
         return run_training(config, resume=resume, console=_console(console, quiet))
 
 
+@refusals_reported
 def evaluate(
     run: PathLike,
     *,
@@ -115,6 +119,7 @@ def evaluate(
     return evaluate_run(Path(run), weights=weights_file)
 
 
+@refusals_reported
 def export(
     run: PathLike,
     out: PathLike,
@@ -132,6 +137,7 @@ def export(
     return export_run(Path(run), Path(out), merge=merge, license=license, weights=_path(weights))
 
 
+@refusals_reported
 def push_to_hub(
     run: PathLike,
     out: PathLike,
@@ -154,6 +160,7 @@ def push_to_hub(
     )
 
 
+@refusals_reported
 def personalize_new_client(run: PathLike, new_client: str, *, weights: PathLike | None = None) -> dict:
     """Personalize a client that never took part in training (a held-out client's id, or a directory of its
     images) from the run's global model with the run's method (`weights`: as `evaluate` takes them); returns its
@@ -163,6 +170,7 @@ def personalize_new_client(run: PathLike, new_client: str, *, weights: PathLike 
     return personalize(Path(run), str(new_client), weights=_path(weights))
 
 
+@refusals_reported
 def pretrain(*, quiet: bool = False, console: Console | None = None, **settings: Any) -> tuple[Path, float]:
     """Make a backbone offline on a dataset's labeled pretraining split (the `pretrain` flags as settings); returns
     where the weights were written and their held-out accuracy."""
@@ -176,6 +184,7 @@ def pretrain(*, quiet: bool = False, console: Console | None = None, **settings:
     return run_pretrain(PretrainConfig(**_as_text(settings)), _console(console, quiet))
 
 
+@refusals_reported
 def compare(
     methods: Sequence[str],
     *,
@@ -197,6 +206,7 @@ def compare(
         return run_compare(values, list(methods), list(range(seeds)), Path(out), _console(console, quiet))
 
 
+@refusals_reported
 def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
     """Plots and a Markdown/JSON table of finished runs; returns the files written."""
     from peradapt.commands.reports import build_report

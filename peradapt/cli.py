@@ -17,7 +17,7 @@ from rich.text import Text
 
 from peradapt import api
 from peradapt.config import listed_settings
-from peradapt.errors import ConfigError, Interrupted, PeradaptError
+from peradapt.errors import INTERRUPTED_BEFORE_WRITING, ConfigError, Interrupted, PeradaptError, interrupts_raise
 from peradapt.methods import METHODS, method_class
 from peradapt.methods.base import trains_by_sgd_jobs
 from peradapt.methods.plugins import ENTRY_POINT_GROUP
@@ -515,6 +515,7 @@ def find_named_plugins(args: list[str]) -> None:
 
 
 def main() -> None:
+    interrupts_raise()  # Ctrl-C while peradapt was imported exited quietly; from here on it is handled below
     try:
         find_named_plugins(sys.argv[1:])
         code = app(standalone_mode=False)
@@ -538,6 +539,6 @@ def main() -> None:
     # Without standalone mode click returns what would have been the exit code: 130 for a Ctrl-C (outside a run,
     # before anything was written), which must not read as success to `peradapt train ... && peradapt export ...`.
     if code == 130:
-        err_console.print("interrupted: nothing was written")
+        err_console.print(INTERRUPTED_BEFORE_WRITING)
     if isinstance(code, int) and code:
         sys.exit(code)

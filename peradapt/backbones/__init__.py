@@ -65,7 +65,7 @@ from peradapt.backbones.hf import (
 )
 from peradapt.backbones.small_inputs import use_small_input_convolutions
 from peradapt.config import NORMALIZATIONS
-from peradapt.errors import ConfigError, WeightsError
+from peradapt.errors import ConfigError, WeightsError, writing
 from peradapt.home import peradapt_home
 
 # Narrow ResNets with the paper's block layout, for CPU-sized runs and tests. Registered with timm so that
@@ -605,6 +605,7 @@ def save_backbone(state: dict[str, torch.Tensor], info: BackboneInfo, path: Path
     """Write weights and their description atomically, so an interrupted pretrain leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+    with writing(path):
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
     os.replace(tmp, path)
     info.save(path)

@@ -35,12 +35,12 @@ from peradapt.commands.cards import (
 )
 from peradapt.config import check_output_path
 from peradapt.data.ood import OodTarget
-from peradapt.errors import ConfigError, RunError, WeightsError
+from peradapt.errors import ConfigError, RunError, WeightsError, writing
 from peradapt.evaluation import evaluate_adapters, summary
 from peradapt.federation.session import Session, open_session
 from peradapt.progress import progress_display, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
-from peradapt.rundir.files import damaged, read_json
+from peradapt.rundir.files import damaged, first_missing, read_json
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.lock import reads_run
 
@@ -295,7 +295,7 @@ def export_run(
     adapters.check_complete()
     if merge:  # what does not merge is refused before anything is written
         merged_network(session.model, adapters.global_state, session.config.backbone.backbone)
-    created = next((p for p in reversed([out.parent, *out.parent.parents]) if not p.exists()), None)
+    created = first_missing(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:12]}")
     try:
@@ -388,7 +388,8 @@ def _write_merged(session: Session, adapters: ExportedAdapters, info: BackboneIn
             _save_transformers(merged.network.config, tensors, info, directory)
         else:
             directory.mkdir(parents=True)
-            save_file(tensors, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
+            with writing(directory / MERGED_WEIGHTS):
+                save_file(tensors, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
             config = timm_config(merged, info)
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
@@ -425,7 +426,8 @@ def _save_transformers(config: Any, tensors: dict[str, torch.Tensor], info: Back
     config._name_or_path = ""  # where it was loaded from on this machine
     config.save_pretrained(str(directory))
     contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    save_file(contiguous, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
+    with writing(directory / MERGED_WEIGHTS):
+        save_file(contiguous, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
     processor = ViTImageProcessor(
         do_resize=True,
         size={"height": info.image_size, "width": info.image_size},

@@ -7,9 +7,10 @@ fixed size, so every plot of a kind has the same pixel size whatever it shows.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from peradapt.rundir.checkpoint import replaced_by_temporary
 
 DPI = 100
 ROUNDS_SIZE = (13.0, 4.8)  # inches: 1300 x 480 pixels at DPI
@@ -55,8 +56,8 @@ def _figure(size: tuple[float, float]):  # -> matplotlib.figure.Figure
 
 def _save(figure, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, dpi=DPI, format="png")  # no bbox_inches="tight": the pixel size stays as set
-    os.replace(tmp, path)
+    with replaced_by_temporary(path, tmp):
+        figure.savefig(tmp, dpi=DPI, format="png")  # no bbox_inches="tight": the pixel size stays as set
 
 
 def _metric_label(runs: list[RunResults]) -> str:

@@ -21,7 +21,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -39,7 +39,7 @@ from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
-from peradapt.errors import ConfigError, Interrupted, RunError
+from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, machine_error
 from peradapt.evaluation import (
     SELECTED_ON_TEST,
     evaluate_adapters,
@@ -63,7 +63,7 @@ from peradapt.rundir.checkpoint import (
     write_json_atomic,
     write_text_atomic,
 )
-from peradapt.rundir.files import damaged
+from peradapt.rundir.files import damaged, first_missing
 from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 from peradapt.seeds import SERVER, derive_seed, sample_clients
@@ -148,7 +148,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
         session = open_session(run_dir, config, client_store=_store_directory(store, paths))
     else:
         session = build_session(config, client_store=_store_directory(config.federation.store_kind(), paths))
-    created = not run_dir.exists()
+    created = first_missing(run_dir)
     with RunLock(run_dir, exclusive=True):
         try:
             run = _prepare(session, paths, resume, console)
@@ -157,13 +157,16 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
             finally:  # the trackers' runs end as failed unless `_finish` ended them
                 if run.tracking is not None:
                     run.tracking.close()
-        except BaseException as error:
+        except BaseException as error:  # whatever the cause: a new run is kept from its first checkpoint on
             nothing_kept = not resume and checkpointed_rounds(paths.checkpoints) == 0
             if nothing_kept:
                 _remove_new_run(paths, created)
+            kept = f"no round of {run_dir} had ended, so nothing of it was kept" if nothing_kept else ""
             if isinstance(error, KeyboardInterrupt):
-                kept = f"no round of {run_dir} had ended, so nothing of it was kept"
-                raise Interrupted(kept if nothing_kept else _how_to_resume(paths)) from None
+                raise Interrupted(kept or _how_to_resume(paths)) from None
+            refused = machine_error(error)
+            if refused is not None:  # a full disk, a dead tracker server: said with what of the run is kept
+                raise MachineError(f"{refused}; {kept or _how_to_resume(paths)}") from error
             raise
 
 
@@ -287,15 +290,17 @@ def _how_to_resume(paths: RunPaths) -> str:
     return f"{paths.root} holds {kept}: continue it with `peradapt train --out {paths.root} --resume`"
 
 
-def _remove_new_run(paths: RunPaths, created: bool) -> None:
-    """Delete what a new run wrote before its first checkpoint (and its directory, if the run made it)."""
-    for path in (paths.config, paths.partition, paths.metrics):
-        path.unlink(missing_ok=True)
-    for directory in (paths.checkpoints, paths.client_store):
-        shutil.rmtree(directory, ignore_errors=True)
-    remove_tracking_files(paths.root)
-    if created:
-        shutil.rmtree(paths.root, ignore_errors=True)
+def _remove_new_run(paths: RunPaths, created: Path | None) -> None:
+    """Delete what a new run wrote before its first checkpoint (and `created`, the directories the run made for
+    itself). Best effort: what stopped the run is the error to tell, not a file that could not be deleted."""
+    with suppress(OSError):
+        for path in (paths.config, paths.partition, paths.metrics):
+            path.unlink(missing_ok=True)
+        for directory in (paths.checkpoints, paths.client_store):
+            shutil.rmtree(directory, ignore_errors=True)
+        remove_tracking_files(paths.root)
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:

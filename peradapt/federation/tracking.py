@@ -19,11 +19,12 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from peradapt.config import TRACKERS, TrainConfig, tracker_names
-from peradapt.errors import ConfigError, PeradaptError, RunError
+from peradapt.errors import ConfigError, MachineError, PeradaptError
 from peradapt.home import environment_setting
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.files import check, read_json
@@ -222,9 +223,9 @@ class MlflowTracker:
         return {"run_id": self.run_id, **({"tracking_uri": self.tracking_uri} if self.tracking_uri else {})}
 
     def close(self) -> None:
-        if self.client is not None:
+        if self.client is not None and self.run_id is not None:  # no run yet: nothing to ask the server again
             self.client.set_terminated(self.run_id, "FAILED")
-            self.client = None
+        self.client = None
 
 
 TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
@@ -244,14 +245,16 @@ class Tracking:
     def log_round(self, record: dict) -> None:
         behind = [name for name in self.trackers if record["round"] > self.rounds[name]]
         for name in behind:
-            self.trackers[name].log_round(record)
+            with _backend(name, f"could not log round {record['round']}"):
+                self.trackers[name].log_round(record)
             self.rounds[name] = record["round"]
         if behind:
             self._save()
 
     def finish(self, report: dict) -> None:
-        for tracker in self.trackers.values():
-            tracker.finish(report)
+        for name, tracker in self.trackers.items():
+            with _backend(name, "could not log the final report"):
+                tracker.finish(report)
         self.finished = True
 
     def close(self) -> None:
@@ -282,15 +285,10 @@ def open_tracking(
         for name in names:
             tracker = TRACKERS[name](run_dir)
             state = saved.get(name)
-            try:
-                tracker.start(config, resolved, state)
-            except PeradaptError:
-                raise
-            except Exception as exc:  # no login, no server, ...: the backend's own message says which
-                tracker.close()
-                raise RunError(f"--log {name} could not start its run: {exc}".rstrip()) from None
-            tracking.trackers[name] = tracker
+            tracking.trackers[name] = tracker  # ended by `tracking.close()` below if anything fails from here
             tracking.rounds[name] = state["round"] if state else 0
+            with _backend(name, "could not start its run"):
+                tracker.start(config, resolved, state)
         tracking._save()
         for record in history:
             tracking.log_round(record)
@@ -298,6 +296,22 @@ def open_tracking(
         tracking.close()
         raise
     return tracking
+
+
+@contextlib.contextmanager
+def _backend(name: str, failed: str) -> Iterator[None]:
+    """A tracker backend's failure inside the block (no login, a server that does not answer, ...) as one line: its
+    own message says which."""
+    try:
+        yield
+    except PeradaptError:
+        raise
+    except Exception as exc:
+        said = " ".join(str(exc).split()) or type(exc).__name__  # one line, as backends' messages often are not
+        raise MachineError(
+            f"--log {name} {failed}: {said}: check its server or login, or leave {name} out of --log "
+            "(--resume may change --log)"
+        ) from exc
 
 
 def _read_saved(path: Path) -> dict[str, dict]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from peradapt.errors import writing
 from peradapt.progress import counted
 from peradapt.rundir.files import ROUND_RECORD, check, damaged
 
@@ -50,8 +53,8 @@ def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, t
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())
         contiguous[name] = tensor
-    save_file(contiguous, str(tmp), metadata={_META_KEY: json.dumps(meta)})
-    os.replace(tmp, path)
+    with replaced_by_temporary(path, tmp), writing(tmp):
+        save_file(contiguous, str(tmp), metadata={_META_KEY: json.dumps(meta)})
     for older in directory.glob(_PATTERN):
         if older != path:
             older.unlink()
@@ -95,5 +98,20 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with replaced_by_temporary(path, tmp):
+        tmp.write_text(text)
+
+
+@contextmanager
+def replaced_by_temporary(path: Path, tmp: Path) -> Iterator[None]:
+    """The block writes `tmp`, which then replaces `path`; if it fails (a full disk), `tmp` goes too, so that a
+    failed write leaves `path` as it was and no half file next to it."""
+    try:
+        yield
+        os.replace(tmp, path)
+    except BaseException as error:
+        if isinstance(error, OSError) and error.filename == str(tmp):
+            error.filename = str(path)  # the file that could not be written is `path`: `tmp` is only how
+        with suppress(OSError):  # a read-only place has no `tmp`; the error that stopped the write is the one to tell
+            tmp.unlink(missing_ok=True)
+        raise

@@ -66,6 +66,11 @@ ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics
 }
 
 
+def first_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist: what making `path` creates (None: nothing)."""
+    return next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
+
+
 def damaged(path: Path, problem: str, remedy: str) -> RunError:
     return RunError(f"{path} is damaged ({problem}): {remedy}")
 

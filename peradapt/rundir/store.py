@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from peradapt.adapters import AdapterState, state_to, state_to_cpu
-from peradapt.errors import RunError
+from peradapt.errors import RunError, writing
 from peradapt.rundir.files import damaged
 
 _SEPARATOR = "/"
@@ -131,7 +131,8 @@ class DiskClientStore(ClientStore):
         path = self.path(client_id, key, self._round)
         self.directory.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(_TEMPORARY)
-        save_file(state_to_cpu(state), str(temporary))
+        with writing(temporary):  # `restore` deletes a half-written temporary file (the module docstring)
+            save_file(state_to_cpu(state), str(temporary))
         os.replace(temporary, path)
         previous = self._current.get(slot)
         if previous is not None and previous != self._round:
