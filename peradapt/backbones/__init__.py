@@ -55,6 +55,7 @@ from timm.models.resnet import BasicBlock, ResNet
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from peradapt.backbones.checks import check_finite, check_statistics
 from peradapt.backbones.hf import (
     create_hf_model,
     hf_directory,
@@ -265,6 +266,7 @@ def _load_into(model: nn.Module, weights: dict[str, torch.Tensor], origin: str) 
     head = classifier_name(model) + "."
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(head)}
     given = {k: v for k, v in weights.items() if not k.startswith(head)}
+    check_finite(given, origin)
     stem = _stem_conv_key(own)
     if stem in given and given[stem].shape[1] != own[stem].shape[1]:
         _check_stem_channels(given[stem].shape[1], own[stem].shape[1], origin)
@@ -479,13 +481,16 @@ def _read_info(weights_path: Path) -> BackboneInfo | None:
     meta = weights_path.with_suffix(".json")
     if not meta.is_file():
         return None
+    remedy = "delete it or re-run `peradapt pretrain`"
     try:
         values = json.loads(meta.read_text())
         values["mean"], values["std"] = tuple(values["mean"]), tuple(values["std"])
         values["classes"] = tuple(values.get("classes", ()))
-        return BackboneInfo(**values)
+        info = BackboneInfo(**values)
+        check_statistics(info.mean, info.std, info.in_chans, str(meta), remedy)
     except (ValueError, TypeError, KeyError) as exc:
-        raise WeightsError(f"cannot read {meta} ({exc}): delete it or re-run `peradapt pretrain`") from None
+        raise WeightsError(f"cannot read {meta} ({exc}): {remedy}") from None
+    return info
 
 
 # timm asks the hub for model.safetensors and falls back to the pickle where a repository has no safetensors file.

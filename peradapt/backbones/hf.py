@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from peradapt.backbones.checks import check_statistics
 from peradapt.errors import ConfigError, WeightsError
 
 HF_PREFIX = "hf:"
@@ -72,15 +73,20 @@ def hf_image_size(name: str) -> int | None:
 
 
 def hf_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """Mean and std from the model's image-processor config (preprocessor_config.json), if it ships one."""
+    """Mean and std from the model's image-processor config (preprocessor_config.json), if it ships one; refused
+    where they cannot normalize the model's inputs (`check_statistics`)."""
     path = hf_directory(name) / "preprocessor_config.json"
     if not path.is_file():
         return None
     try:
         processor = json.loads(path.read_text())
-        return tuple(map(float, processor["image_mean"])), tuple(map(float, processor["image_std"]))
+        mean, std = tuple(map(float, processor["image_mean"])), tuple(map(float, processor["image_std"]))
     except (ValueError, KeyError, TypeError):
         return None  # a processor without normalization: the data's statistics apply
+    channels = getattr(_config(name), "num_channels", 3)
+    remedy = "correct its image_mean and image_std, or delete them to normalize with the data's statistics"
+    check_statistics(mean, std, channels, str(path), remedy)
+    return mean, std
 
 
 def create_hf_model(name: str, num_classes: int, in_chans: int, image_size: int | None) -> nn.Module:

@@ -26,6 +26,10 @@ Undecodable pictures are collected, never reported one at a time: the headers of
 without a readable header stops the load before any is decoded), then every failure while decoding; one error
 names how many, the first ten, and the file under ``$PERADAPT_HOME/bad-images/`` that lists them all with the
 reason (there, since no run directory exists yet while data loads, and ``eval --ood`` writes none).
+A picture over Pillow's decompression-bomb limit (twice ``PIL.Image.MAX_IMAGE_PIXELS``, kept) is one of them,
+"too large"; one between once and twice the limit is decoded, without Pillow's warning (`large_pictures_quiet`).
+Files are keyed by their paths' bytes, so names need not be UTF-8; where they are shown or listed, their other
+bytes read as ``\\xNN`` (`printable`).
 `find_bad_pictures` checks every picture of a source at once (its header, then its pixels decoded at the JPEG
 decoder's smallest scale), for ``--skip-bad-images``: the sources leave those out before the fixed split, so the
 split of a given set of files does not depend on which of them a run decodes. Its result is cached under the
@@ -40,8 +44,9 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,8 +92,41 @@ class BadPicture:
     reason: str
 
 
-class _Undecodable(Exception):
+class Undecodable(Exception):
     """A picture Pillow cannot read; the message says why."""
+
+
+@contextlib.contextmanager
+def pillow_errors() -> Iterator[None]:
+    """Pillow's errors while it reads a picture raised as `Undecodable`, with the reason: a damaged file, or one
+    over its decompression-bomb limit (twice ``PIL.Image.MAX_IMAGE_PIXELS``, kept as Pillow sets it: such a
+    picture would take gigabytes to decode, whatever size it is fitted to)."""
+    from PIL import Image, UnidentifiedImageError  # deferred: Pillow comes with torchvision, only decoding needs it
+
+    try:
+        yield
+    except Image.DecompressionBombError as err:  # not an OSError
+        raise Undecodable(f"too large, over Pillow's decompression-bomb limit ({_reason(err)})") from err
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+        raise Undecodable(_reason(err)) from err
+
+
+@contextlib.contextmanager
+def large_pictures_quiet() -> Iterator[None]:
+    """Pillow's warning about each picture between once and twice its ``MAX_IMAGE_PIXELS`` silenced while pictures
+    are read (by this thread or the pools it waits on): such a picture is decoded, as Pillow does, and fitted to
+    the run's size like any other; one warning per picture would only bury the lines that matter."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def printable(name: str) -> str:
+    """A name from the file system (a path, a file or folder name) as text that can be printed and written as
+    UTF-8: the bytes of a name that is not UTF-8 (surrogates in Python's string) as ``\\xNN`` escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def decode_images(files: Sequence[Path], size: int, mode: str, *, name: str, resize: str = "squeeze") -> torch.Tensor:
@@ -126,10 +164,10 @@ def _decode_into(
     if not console.is_terminal:  # logs get one line instead of a live bar
         console.print(description)
     bad: list[BadPicture] = []
-    with progress_display(console) as progress, ThreadPoolExecutor(_WORKERS) as pool:
+    with large_pictures_quiet(), progress_display(console) as progress, ThreadPoolExecutor(_WORKERS) as pool:
         bar = progress.add_task(description, total=len(images))
         for index, pixels in enumerate(pool.map(_caught(decode), range(len(images)))):
-            if isinstance(pixels, _Undecodable):
+            if isinstance(pixels, Undecodable):
                 bad.append(BadPicture(index, *names(index), str(pixels)))
             else:
                 images[index] = pixels
@@ -148,13 +186,13 @@ def _cached(images: np.ndarray, path: Path) -> torch.Tensor:
     return torch.from_numpy(images)
 
 
-def _caught(function: Callable[[int], _T]) -> Callable[[int], _T | _Undecodable]:
+def _caught(function: Callable[[int], _T]) -> Callable[[int], _T | Undecodable]:
     """``function``, returning rather than raising an undecodable picture's error (so that a pool goes on)."""
 
-    def call(index: int) -> _T | _Undecodable:
+    def call(index: int) -> _T | Undecodable:
         try:
             return function(index)
-        except _Undecodable as err:
+        except Undecodable as err:
             return err
 
     return call
@@ -186,7 +224,8 @@ def decode_pictures(
     if resize not in RESIZES:
         raise ValueError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     fitting = "" if resize == "squeeze" else f"-{resize}"
-    digest = hashlib.sha256(f"v{PICTURES_VERSION} pictures {size} {resize}\n{key}".encode()).hexdigest()[:20]
+    # os.fsencode: a key may hold a path that is not UTF-8 (an hf: directory's).
+    digest = hashlib.sha256(os.fsencode(f"v{PICTURES_VERSION} pictures {size} {resize}\n{key}")).hexdigest()[:20]
     path = peradapt_home() / "cache" / f"{name}-{f'{size}px' if size else 'native'}{fitting}-{digest}.npy"
     cached = _read_cache(path, None)
     if cached is not None and cached.shape[0] == count and (size is None or cached.shape[-1] == size):
@@ -234,7 +273,7 @@ def find_bad_pictures(
     """Every picture of ``count`` that cannot be decoded, each read whole (`_check_picture`): what
     ``--skip-bad-images`` leaves out. Cached under ``key`` (as `decode_pictures`' ``key``), since the fixed split
     needs it on every run."""
-    digest = hashlib.sha256(f"v{PICTURES_VERSION} check\n{key}".encode()).hexdigest()[:20]
+    digest = hashlib.sha256(os.fsencode(f"v{PICTURES_VERSION} check\n{key}")).hexdigest()[:20]
     path = peradapt_home() / "cache" / f"{name}-checked-{digest}.json"
     try:
         return [BadPicture(**entry) for entry in json.loads(path.read_text(encoding="utf-8"))]
@@ -258,7 +297,7 @@ def bad_pictures_note(name: str, source: str, bad: Sequence[BadPicture]) -> str:
     """What is wrong with the undecodable pictures of ``source``: how many, the first ten, and the file listing all
     of them with the reasons, ``$PERADAPT_HOME/bad-images/<name>-<hash>.txt`` (written here)."""
     listing = "".join(f"{picture.full_name}: {picture.reason}\n" for picture in bad)
-    digest = hashlib.sha256(f"{source}\n{listing}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(os.fsencode(f"{source}\n{listing}")).hexdigest()[:12]
     path = peradapt_home() / "bad-images" / f"{name}-{digest}.txt"
     try:
         _write_atomic(path, listing)
@@ -279,12 +318,10 @@ def _each_picture(
     items: Sequence[Picture], read: Callable[[Picture], _T], names: Callable[[int], tuple[str, str]]
 ) -> tuple[list[_T], list[BadPicture]]:
     """``read`` of every picture, in threads: the results of those it read, and those it could not."""
-    with ThreadPoolExecutor(_WORKERS) as pool:
+    with large_pictures_quiet(), ThreadPoolExecutor(_WORKERS) as pool:
         results = list(pool.map(_caught(lambda index: read(items[index])), range(len(items))))
-    bad = [
-        BadPicture(i, *names(i), str(result)) for i, result in enumerate(results) if isinstance(result, _Undecodable)
-    ]
-    return [result for result in results if not isinstance(result, _Undecodable)], bad
+    bad = [BadPicture(i, *names(i), str(result)) for i, result in enumerate(results) if isinstance(result, Undecodable)]
+    return [result for result in results if not isinstance(result, Undecodable)], bad
 
 
 def _names(items: Sequence[Picture], index: int, where: Callable[[int], str] | None) -> tuple[str, str]:
@@ -292,33 +329,32 @@ def _names(items: Sequence[Picture], index: int, where: Callable[[int], str] | N
     index) for bytes."""
     item = items[index]
     if isinstance(item, Path):
-        return "/".join(item.parts[-2:]), str(item)
+        return file_names(item)
     named = where(index) if where is not None else f"picture {index}"
     return named, named
 
 
+def file_names(file: Path) -> tuple[str, str]:
+    """An image file's short and full names in messages and lists (`printable`): its folder and name, its path."""
+    return printable("/".join(file.parts[-2:])), printable(str(file))
+
+
 def _picture_header(picture: Picture) -> tuple[str, tuple[int, int]]:
     """The PIL mode and size of a picture, read from its header alone."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    try:
-        with Image.open(_opened(picture)) as image:
-            return image.mode, image.size
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-        raise _Undecodable(_reason(err)) from err
+    with pillow_errors(), Image.open(_opened(picture)) as image:
+        return image.mode, image.size
 
 
 def _check_picture(picture: Picture) -> None:
-    """Raise `_Undecodable` unless the whole picture decodes: its header, then its pixels (a JPEG's at the
+    """Raise `Undecodable` unless the whole picture decodes: its header, then its pixels (a JPEG's at the
     decoder's smallest scale, which still reads all of its data: a truncated file fails)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    try:
-        with Image.open(_opened(picture)) as image:
-            image.draft(None, (1, 1))
-            image.load()
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-        raise _Undecodable(_reason(err)) from err
+    with pillow_errors(), Image.open(_opened(picture)) as image:
+        image.draft(None, (1, 1))
+        image.load()
 
 
 def _reason(err: BaseException) -> str:
@@ -336,8 +372,9 @@ def _content_key(files: Sequence[Path], size: int, mode: str, resize: str) -> st
         try:
             stat = file.stat()
         except OSError as err:
-            raise DataError(f"cannot read image {file}: {err}; the dataset is incomplete") from err
-        digest.update(f"{file.absolute()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            raise DataError(f"cannot read image {printable(str(file))}: {err}; the dataset is incomplete") from err
+        # The path's bytes: a name need not be UTF-8 (a UTF-8 one gives the same bytes as ever, so the same key).
+        digest.update(os.fsencode(file.absolute()) + f"\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:20]
 
 
@@ -373,16 +410,13 @@ def _write_atomic(path: Path, content: np.ndarray | str) -> None:
 
 
 def _decode_file(file: Picture, *, size: int, mode: str, resize: str) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError  # deferred: Pillow comes with torchvision, only decoding needs it
+    from PIL import Image
 
-    try:
-        with Image.open(_opened(file)) as image:
-            # JPEG decoders can scale down by 1/2 to 1/8 while decoding (never below `size` on either side): much
-            # faster, and the shorter side still covers a center crop.
-            image.draft(mode, (size, size))
-            pixels = np.asarray(fit_picture(image.convert(mode), size, resize), dtype=np.uint8)
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-        raise _Undecodable(_reason(err)) from err
+    with pillow_errors(), Image.open(_opened(file)) as image:
+        # JPEG decoders can scale down by 1/2 to 1/8 while decoding (never below `size` on either side): much
+        # faster, and the shorter side still covers a center crop.
+        image.draft(mode, (size, size))
+        pixels = np.asarray(fit_picture(image.convert(mode), size, resize), dtype=np.uint8)
     return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 

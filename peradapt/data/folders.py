@@ -7,9 +7,10 @@ Layouts:
 - ``PATH/train/<class>/`` with ``PATH/test/<class>/`` (or ``val/`` or ``validation/``): a train/test pair. The
   test folders' classes must be among the training folders'; a class may lack test images.
 
-Class folders sorted by name give the class indices. Image files (.png, .jpg, ...) are read anywhere inside a class
-folder; other files and hidden folders are skipped. As unlabeled distillation data (``--kd-data``), every image
-under PATH counts (under ``PATH/train/`` for a pair), in class folders or not.
+Class folders sorted by name give the class indices and names (a folder name that is not UTF-8 with its other
+bytes as ``\\xNN``: `peradapt.data.decode.printable`). Image files (.png, .jpg, ...) are read anywhere inside a
+class folder; other files and hidden folders are skipped. As unlabeled distillation data (``--kd-data``), every
+image under PATH counts (under ``PATH/train/`` for a pair), in class folders or not.
 
 The files are listed, labeled and counted before any is decoded (`scan_image_folder`), so that checks which need no
 pixels come first and ``--limit-samples`` decodes only the images the run uses. Images are decoded once and cached
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peradapt.data.decode import bad_pictures_note, decode_pictures, files_key, find_bad_pictures
+from peradapt.data.decode import bad_pictures_note, decode_pictures, files_key, find_bad_pictures, printable
 from peradapt.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -103,6 +104,9 @@ def scan_image_folder(
     if skip_bad:
         train, test, skipped = _without_bad_files(name, path, train, test)
 
+    # The folders' names as printable text (they need not be UTF-8), for config.json, reports and cards.
+    class_names = tuple(printable(folder) for folder in classes)
+
     def decode(rows: Rows) -> SourceData:
         chosen = train.take(rows.train)
         images = decode_files(name, chosen.files, image_size, default_size, resize)
@@ -110,7 +114,7 @@ def scan_image_folder(
         if test is not None:  # decoded like the training images, so that both come at one size
             tested = test.take(rows.test)
             test_part = (decode_files(name, tested.files, images.shape[-1], default_size, resize), tested.labels)
-        return decoded_source(name, (images, chosen.labels), test_part, classes, channels, skipped)
+        return decoded_source(name, (images, chosen.labels), test_part, class_names, channels, skipped)
 
     return ScannedSource(len(train.files), 0 if test is None else len(test.files), decode, True, skipped)
 
@@ -120,7 +124,7 @@ def pair_test_files(test_root: Path, train_root: Path, classes: tuple[str, ...],
     extra = sorted(set(class_folders(test_root, name, allow_empty=True)) - set(classes))
     if extra:
         raise DataError(
-            f"{name}: {test_root} has class folder(s) {', '.join(extra)} that {train_root} lacks: the test "
+            f"{name}: {test_root} has class folder(s) {printable(', '.join(extra))} that {train_root} lacks: the test "
             "classes must be among the training classes"
         )
     present = tuple(c for c in classes if (test_root / c).is_dir())
@@ -155,7 +159,7 @@ def _without_bad_files(
         for files, found in zip(sets, bad, strict=True)
     ]
     skipped = tuple(
-        str(files.files[picture.index].relative_to(path))
+        printable(str(files.files[picture.index].relative_to(path)))
         for files, found in zip(sets, bad, strict=True)
         for picture in found
     )
@@ -194,7 +198,8 @@ def labeled_files(
         found = image_files(root / folder)
         if not found:
             raise DataError(
-                f"{name}: class folder {root / folder} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}); "
+                f"{name}: class folder {printable(str(root / folder))} holds no image files "
+                f"({', '.join(sorted(IMAGE_SUFFIXES))}); "
                 "add its images or remove the folder"
             )
         files += found

@@ -10,7 +10,8 @@
 - ``cifar10.1[:PATH]``: CIFAR-10.1 v6, ``cifar10.1_v6_data.npy`` and ``cifar10.1_v6_labels.npy``, in PATH or in
   ``DATA_DIR/CIFAR-10.1/`` (or its ``datasets/`` folder, as the authors' repository has it) or ``DATA_DIR``.
 - ``imagefolder:PATH``: ``PATH/<class>/<image files>``, one sub-folder per class, named by the class index
-  (``0``, ``1``, ...) or by the class name of the run's dataset (case and punctuation ignored).
+  (``0``, ``1``, ...) or by the class name of the run's dataset (case and punctuation ignored: Fashion-MNIST's
+  T-shirt/top, which no folder can be named, as ``T-shirt_top``).
 - ``svhn[:PATH]``, ``stl10[:PATH]``: their test images, in torchvision's layout in PATH or the run's data
   directory (see `peradapt.data.svhn_stl10`).
 - ``hf:NAME_OR_PATH[:CONFIG]``: the test split of a Hugging Face dataset (its training split if it has none), as
@@ -37,7 +38,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peradapt.data.decode import REPLACE_REMEDY, BadPicture, bad_pictures_error
+from peradapt.data.decode import (
+    REPLACE_REMEDY,
+    BadPicture,
+    Undecodable,
+    bad_pictures_error,
+    file_names,
+    large_pictures_quiet,
+    pillow_errors,
+    printable,
+)
 from peradapt.data.folders import IMAGE_SUFFIXES
 from peradapt.data.hfdata import load_hf_split
 from peradapt.data.images import ImageSet, fit_images, resize_images
@@ -606,6 +616,12 @@ def _normalized(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+def _folder_name(class_name: str) -> str:
+    """A class name as a folder can be named (matched with case and punctuation ignored): a ``/``, which no folder
+    name can hold, as ``_`` (Fashion-MNIST's T-shirt/top as T-shirt_top)."""
+    return class_name.replace("/", "_")
+
+
 def _class_index(folder: str, target: OodTarget) -> int | None:
     if folder.isdigit():
         index = int(folder)
@@ -615,17 +631,22 @@ def _class_index(folder: str, target: OodTarget) -> int | None:
 
 def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None, seed: int = 0) -> ImageSet:
     """``path/<class>/<image files>`` in ``target``'s format; ``limit`` keeps a random subset of that many images."""
-    from PIL import Image, UnidentifiedImageError  # deferred: Pillow comes with torchvision
+    from PIL import Image  # deferred: Pillow comes with torchvision
 
     if not path.is_dir():
         raise DataError(f"imagefolder: {path} is not a directory; it should hold one sub-folder of images per class")
     known = target.classes or CLASS_NAMES.get(target.dataset)
-    naming = f"0..{target.num_classes - 1}" + (f" or a class name ({', '.join(known)})" if known else "")
+    naming = f"0..{target.num_classes - 1}"
+    if known:
+        folders = ", ".join(_folder_name(name) for name in known)
+        naming += f" or a class name ({folders}; case and punctuation ignored)"
     files: list[tuple[Path, int]] = []
     for folder in sorted(p for p in path.iterdir() if p.is_dir()):
         index = _class_index(folder.name, target)
         if index is None:
-            raise DataError(f"imagefolder: sub-folder {folder} is not a class of this run: name it {naming}")
+            raise DataError(
+                f"imagefolder: sub-folder {printable(str(folder))} is not a class of this run: name it {naming}"
+            )
         files += [(f, index) for f in sorted(folder.iterdir()) if f.suffix.lower() in _IMAGE_SUFFIXES]
     if not files:
         raise DataError(f"imagefolder: no images in {path}/<class>/ (sub-folders named {naming}, image files inside)")
@@ -635,10 +656,10 @@ def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None,
     for i in chosen:
         file, label = files[i]
         try:
-            with Image.open(file) as image:
+            with large_pictures_quiet(), pillow_errors(), Image.open(file) as image:
                 pixels = np.asarray(image.convert(mode), dtype=np.uint8)
-        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
-            bad.append(BadPicture(int(i), "/".join(file.parts[-2:]), str(file), " ".join(str(err).split())))
+        except Undecodable as err:
+            bad.append(BadPicture(int(i), *file_names(file), str(err)))
             continue  # every undecodable file is named at once, below
         tensor = torch.from_numpy(pixels.reshape(*pixels.shape[:2], -1).copy()).permute(2, 0, 1).unsqueeze(0)
         images.append(resize_images(tensor, target.image_size, target.channels))

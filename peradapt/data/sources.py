@@ -249,19 +249,26 @@ def _load_fmnist(data_dir: Path | None, download: bool) -> SourceData:
     if files is None:
         wanted = ", ".join(f"{stem}[.gz]" for stem in _FMNIST_FILES.values())
         looked_in = ", ".join(str(directory) for directory in search_dirs)
-        raise DataError(
-            f"Fashion-MNIST not found: looked for {wanted} in {looked_in}. "
-            "Install it with `apt-get install dataset-fashion-mnist`, pass --data-dir DIR "
-            "with the four IDX files, or add --download (needs a network)"
-        )
+        if data_dir is None:
+            advice = (
+                "Install it with `apt-get install dataset-fashion-mnist`, pass --data-dir DIR with the four IDX "
+                "files, or add --download (needs a network)"
+            )
+        else:
+            advice = (
+                f"Put the four IDX files in {data_dir}, add --download (needs a network), or drop --data-dir to "
+                f"use the system copy in {DEBIAN_FMNIST_DIR} (`apt-get install dataset-fashion-mnist`)"
+            )
+        raise DataError(f"Fashion-MNIST not found: looked for {wanted} in {looked_in}. {advice}")
     train = _idx_image_set(files["train_images"], files["train_labels"])
     test = _idx_image_set(files["test_images"], files["test_labels"])
     return SourceData(name="fmnist", train=train, test=test, mean=(0.2860,), std=(0.3530,), classes=FMNIST_CLASSES)
 
 
 def _fmnist_search_dirs(data_dir: Path | None) -> list[Path]:
-    local = [] if data_dir is None else [data_dir, data_dir / "FashionMNIST" / "raw"]
-    return [*local, DEBIAN_FMNIST_DIR]
+    """Where Fashion-MNIST's files are looked for: a --data-dir given is the only place (the user named it: the
+    system copy in its stead would train on other data without a word), else the system copy."""
+    return [DEBIAN_FMNIST_DIR] if data_dir is None else [data_dir, data_dir / "FashionMNIST" / "raw"]
 
 
 def _find_idx_files(directory: Path) -> dict[str, Path] | None:
