@@ -45,7 +45,7 @@ from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.lock import reads_run
 
 
-def open_run(run_dir: Path, weights: Path | None) -> Session:
+def open_run(run_dir: Path, weights: Path | None = None) -> Session:
     return open_session(run_dir, weights=weights)
 
 
