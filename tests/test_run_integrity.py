@@ -96,7 +96,7 @@ def test_pretrain_replacing_the_weights_leaves_runs_on_their_own(own_home, tmp_p
     pinned.unlink()
     for command in (["eval", "--run", str(run)], ["train", "--out", str(run), "--resume", "--rounds", "2"]):
         expect_refusal(
-            command, capsys, monkeypatch, "not the ones this run was trained on", fingerprint[:12], untouched=run
+            command, capsys, monkeypatch, "neither them nor the run's copy", fingerprint[:12], untouched=run
         )
 
 
