@@ -561,3 +561,32 @@ def test_merged_personal_heads_and_lora_give_the_models_logits(name, client, req
         torch.testing.assert_close(namespace["model"](namespace["preprocess"](images)), expected, atol=1e-4, rtol=1e-4)
     _, federation = card(out / "README.md")
     assert 'root = "clients/0"' in federation and "backbone.safetensors" not in federation
+
+
+# ---------------------------------------------------------------- report.json's statistics of the clients (issue 28)
+
+
+def test_local_test_statistics_as_by_hand():
+    from peradapt.evaluation import local_test_statistics
+
+    scores = [0.9, 0.5, float("nan"), 0.7, 0.1, 0.8, 0.6, 0.95, 0.3, 0.65, 0.75, 0.85]  # 11 defined
+    sizes = [10, 20, 5, 30, 40, 10, 10, 10, 50, 10, 10, 10]
+    stats = local_test_statistics(scores, sizes)
+    # ceil(10% of 11) = 2 worst clients: 0.1 and 0.3
+    assert stats["worst_10pct"] == pytest.approx((0.1 + 0.3) / 2)
+    correct = 9 + 10 + 21 + 4 + 8 + 6 + 9.5 + 15 + 6.5 + 7.5 + 8.5  # score x size, the undefined client left out
+    pooled = correct / (10 + 20 + 30 + 40 + 10 + 10 + 10 + 50 + 10 + 10 + 10)
+    assert stats["weighted_mean"] == pytest.approx(pooled)
+    assert local_test_statistics([0.4, 0.2], [1, 3])["worst_10pct"] == 0.2  # at least one client
+
+
+def test_report_weights_each_clients_local_test_by_its_images(perada):
+    run, _ = perada
+    report = report_of(run)
+    sizes = {client["id"]: len(client["test"]) for client in read_partition(run)["clients"]}
+    for who in ("personalized", "global"):
+        stats = report[who]["local_test"]
+        counted = [sizes[client] for client in report["clients"]]
+        correct = sum(score * size for score, size in zip(stats["per_client"], counted, strict=True))
+        assert stats["weighted_mean"] == pytest.approx(correct / sum(counted))
+        assert stats["worst_10pct"] == min(stats["per_client"])  # 4 clients: the worst one

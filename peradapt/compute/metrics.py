@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +47,24 @@ def metric_value(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if labels.dim() == 2:
         return mean_auc(logits, labels)
     return (logits.argmax(dim=1) == labels).float().mean().item()
+
+
+WORST_SHARE = 0.1  # `worst_10pct`: the mean over this share of the clients with the lowest scores
+
+
+def local_test_statistics(values: Sequence[float], test_sizes: Sequence[int]) -> dict[str, float]:
+    """What the strongest pFL benchmarks report of the clients' own test scores, besides `summary`'s mean and std:
+    the mean weighted by each client's test images (`weighted_mean`: the score of all local test images pooled, for
+    accuracy) and the mean of the worst 10% of clients (`worst_10pct`: ceil(10% of them), at least one). Clients
+    whose score is undefined are left out of both."""
+    scores, sizes = np.asarray(values, dtype=float), np.asarray(test_sizes, dtype=float)
+    defined = ~np.isnan(scores)
+    scores, sizes = scores[defined], sizes[defined]
+    if not len(scores):
+        return {"weighted_mean": float("nan"), "worst_10pct": float("nan")}
+    worst = np.sort(scores)[: max(1, math.ceil(WORST_SHARE * len(scores)))]
+    weighted = float(np.average(scores, weights=sizes)) if sizes.sum() > 0 else float("nan")
+    return {"weighted_mean": weighted, "worst_10pct": float(worst.mean())}
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

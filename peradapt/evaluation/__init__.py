@@ -1,6 +1,6 @@
 """Evaluation of personalized and global adapters, and result tables."""
 
-from peradapt.compute.metrics import mean_auc, metric_name, roc_auc, summary
+from peradapt.compute.metrics import local_test_statistics, mean_auc, metric_name, roc_auc, summary
 from peradapt.evaluation.metrics import evaluate_adapters, summarize
 from peradapt.evaluation.report import METRIC_LABELS, results_table
 from peradapt.evaluation.selection import SELECTED_ON_TEST, per_client_record, select_on_test
@@ -9,6 +9,7 @@ __all__ = [
     "METRIC_LABELS",
     "SELECTED_ON_TEST",
     "evaluate_adapters",
+    "local_test_statistics",
     "mean_auc",
     "metric_name",
     "per_client_record",

@@ -43,6 +43,7 @@ from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, ma
 from peradapt.evaluation import (
     SELECTED_ON_TEST,
     evaluate_adapters,
+    local_test_statistics,
     per_client_record,
     select_on_test,
     summarize,
@@ -606,6 +607,11 @@ def build_report(session: Session, evaluation: dict, history: list[dict]) -> dic
     def with_stats(values: list[float], **clients: list[int]) -> dict:
         return {**summary(values), "per_client": values, **clients}
 
+    test_sizes = [len(session.data.clients[client].test) for client in evaluation["clients"]]
+
+    def local_test(values: list[float]) -> dict:  # the clients' own test splits: also weighted and worst-10%
+        return {**with_stats(values), **local_test_statistics(values, test_sizes)}
+
     config = session.config
     held_out = {"held_out_clients": [c.client_id for c in session.held_out_clients]} if session.held_out_clients else {}
     sampled = {"clients": evaluation["global_test_clients"]} if "global_test_clients" in evaluation else {}
@@ -618,12 +624,12 @@ def build_report(session: Session, evaluation: dict, history: list[dict]) -> dic
         "seed": config.seed,
         "clients": evaluation["clients"],
         "personalized": {
-            "local_test": with_stats(evaluation["personalized"]["local_test"]),
+            "local_test": local_test(evaluation["personalized"]["local_test"]),
             # a large federation scores a sample of personalized adapters on the global test set: which ones
             "global_test": with_stats(evaluation["personalized"]["global_test"], **sampled),
         },
         "global": {
-            "local_test": with_stats(evaluation["global"]["local_test"]),
+            "local_test": local_test(evaluation["global"]["local_test"]),
             "global_test": evaluation["global"]["global_test"],
         },
         "summary": summarize(evaluation),
