@@ -590,3 +590,10 @@ def test_report_weights_each_clients_local_test_by_its_images(perada):
         correct = sum(score * size for score, size in zip(stats["per_client"], counted, strict=True))
         assert stats["weighted_mean"] == pytest.approx(correct / sum(counted))
         assert stats["worst_10pct"] == min(stats["per_client"])  # 4 clients: the worst one
+
+
+def test_report_names_the_partition_it_scored_by_its_hash(perada):
+    import hashlib
+
+    run, _ = perada
+    assert report_of(run)["partition_sha256"] == hashlib.sha256((run / "partition.json").read_bytes()).hexdigest()

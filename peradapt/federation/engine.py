@@ -17,6 +17,7 @@ or a large pass per client use the session's seeded `client_sample`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -575,6 +576,8 @@ def _finish(
         )
         session.model.save_pretrained(paths.global_adapter, global_state)
     report = build_report(session, evaluation, history)
+    # The clients' data as scored: a table built from this report can be checked against the split it names.
+    report["partition_sha256"] = hashlib.sha256(paths.partition.read_bytes()).hexdigest()
     write_json_atomic(paths.report, report)
     if tracking is not None:
         tracking.finish(report)

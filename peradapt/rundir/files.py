@@ -24,6 +24,7 @@ REPORT = {
     "data": str,
     "metric?": str,  # runs from before multi-label data lack it
     "classes?": [str],  # runs from before class names were recorded lack it
+    "partition_sha256?": str,  # the same
     "rounds": int,
     "seed": int,
     "clients": [int],
