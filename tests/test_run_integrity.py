@@ -95,9 +95,7 @@ def test_pretrain_replacing_the_weights_leaves_runs_on_their_own(own_home, tmp_p
     # Without the pinned copy, the store's new weights are refused, naming the fingerprints; nothing is written.
     pinned.unlink()
     for command in (["eval", "--run", str(run)], ["train", "--out", str(run), "--resume", "--rounds", "2"]):
-        expect_refusal(
-            command, capsys, monkeypatch, "neither them nor the run's copy", fingerprint[:12], untouched=run
-        )
+        expect_refusal(command, capsys, monkeypatch, "neither them nor the run's copy", fingerprint[:12], untouched=run)
 
 
 # ---------------------------------------------------------------- one process at a time
