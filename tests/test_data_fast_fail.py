@@ -25,6 +25,7 @@ from peradapt.federation.session import open_session
 
 from .conftest import TINY_BACKBONE
 from .test_cli import expect_refusal, run_cli
+from .test_data_sources import counting_decodes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,18 +57,6 @@ def spoil(root: Path) -> list[Path]:
     for seed, path in enumerate(spoiled):
         path.write_bytes(np.random.default_rng(seed).bytes(200))
     return spoiled
-
-
-def counting_decodes(monkeypatch: pytest.MonkeyPatch) -> list:
-    decoded: list = []
-    decode_file = decode_module._decode_file
-
-    def counting(picture, **options):
-        decoded.append(picture)
-        return decode_file(picture, **options)
-
-    monkeypatch.setattr(decode_module, "_decode_file", counting)
-    return decoded
 
 
 @pytest.fixture

@@ -670,7 +670,7 @@ def public_backbone(name: str) -> str:
     if not is_hf(name):
         return name
     spec = name.removeprefix(HF_PREFIX)
-    if Path(spec).expanduser().is_dir() or spec.startswith(("/", "~", ".")) or spec.count("/") > 1:
+    if Path(spec).expanduser().is_dir() or hfdata.looks_like_path(spec):
         return HF_PREFIX + (Path(spec.rstrip("/")).name or "model")
     return name
 

@@ -293,14 +293,15 @@ def export_run(
     session = open_run(run_dir, weights)
     adapters = ExportedAdapters.open(session, paths)
     adapters.check_complete()
-    if merge:  # what does not merge is refused before anything is written
-        merged_network(session.model, adapters.global_state, session.config.backbone.backbone)
+    # What does not merge is refused before anything is written; the global model, merged here, is exported as it is.
+    backbone = session.config.backbone.backbone
+    merged_global = merged_network(session.model, adapters.global_state, backbone) if merge else None
     created = first_missing(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:12]}")
     try:
         staging.mkdir()
-        _write_export(session, paths, staging, adapters, merge=merge)
+        _write_export(session, paths, staging, adapters, merged_global)
         report = read_report(run_dir)
         assert report is not None  # ExportedAdapters.open refuses a run without one
         cards = RunCards(session.config, read_run_config(run_dir)[1], report, hub, license=license, merged=merge)
@@ -336,7 +337,11 @@ def _is_export(directory: Path) -> bool:
     return (directory / "global").is_dir() and clients.is_dir() and all(c.name.isdigit() for c in clients.iterdir())
 
 
-def _write_export(session: Session, paths: RunPaths, out: Path, adapters: ExportedAdapters, *, merge: bool) -> None:
+def _write_export(
+    session: Session, paths: RunPaths, out: Path, adapters: ExportedAdapters, merged_global: MergedNetwork | None
+) -> None:
+    """The export into `out`: the run's adapters with the backbone, or with `merged_global` (`export --merge`) every
+    model merged."""
     info = BackboneInfo(
         public_backbone(session.config.backbone.backbone),
         session.data.channels,
@@ -346,8 +351,8 @@ def _write_export(session: Session, paths: RunPaths, out: Path, adapters: Export
         public_weights(session.backbone.source) or "",  # no path of this machine in an export
         session.class_names,
     )
-    if merge:
-        _write_merged(session, adapters, info, out)
+    if merged_global is not None:
+        _write_merged(session, adapters, info, out, merged_global)
         return
     for name in ("clients", "global"):
         shutil.copytree(paths.root / name, out / name)
@@ -366,32 +371,39 @@ def _write_export(session: Session, paths: RunPaths, out: Path, adapters: Export
 
 def _name_base_model(out: Path, backbone: str) -> None:
     """PEFT records where the base model was loaded from (`base_model_name_or_path`: for a transformers backbone, its
-    directory on this machine): every exported adapter config names the backbone as the export does instead."""
-    for path in (out / "global", *sorted((out / "clients").iterdir())):
-        config_path = path / ADAPTER_CONFIG_FILE
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        if config.get("base_model_name_or_path") is not None:
-            config["base_model_name_or_path"] = backbone.removeprefix(HF_PREFIX)
-            config_path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    directory on this machine): every exported adapter config names the backbone as the export does instead. The
+    configs are one and the same (`ExportedAdapters.check_complete`): rewritten once, written to every adapter."""
+    config = json.loads((out / "global" / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
+    if config.get("base_model_name_or_path") is None:
+        return
+    config["base_model_name_or_path"] = backbone.removeprefix(HF_PREFIX)
+    text = json.dumps(config, indent=2, sort_keys=True)
+    for directory in (out / "global", *(out / "clients").iterdir()):
+        (directory / ADAPTER_CONFIG_FILE).write_text(text, encoding="utf-8")
 
 
-def _write_merged(session: Session, adapters: ExportedAdapters, info: BackboneInfo, out: Path) -> None:
-    """Every client's model and the global one, adapters folded into the backbone (`merged_network`): each a
-    plain timm or transformers model directory, complete in itself."""
-    targets = [(out / "global", adapters.global_state)]
-    targets += [(out / "clients" / str(c.client_id), None) for c in session.federated_clients]
-    for directory, state in targets:
-        state = adapters.personalized(int(directory.name)) if state is None else state
-        merged = merged_network(session.model, state, info.backbone)
-        tensors = merged.network.state_dict()
-        if is_hf(info.backbone):
-            _save_transformers(merged.network.config, tensors, info, directory)
-        else:
-            directory.mkdir(parents=True)
-            with writing(directory / MERGED_WEIGHTS):
-                save_file(tensors, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
-            config = timm_config(merged, info)
-            (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+def _write_merged(
+    session: Session, adapters: ExportedAdapters, info: BackboneInfo, out: Path, merged_global: MergedNetwork
+) -> None:
+    """Every client's model and the global one (`merged_global`), adapters folded into the backbone
+    (`merged_network`): each a plain timm or transformers model directory, complete in itself."""
+    backbone = session.config.backbone.backbone
+    _save_merged(merged_global, info, out / "global")
+    for client in session.federated_clients:
+        merged = merged_network(session.model, adapters.personalized(client.client_id), backbone)
+        _save_merged(merged, info, out / "clients" / str(client.client_id))
+
+
+def _save_merged(merged: MergedNetwork, info: BackboneInfo, directory: Path) -> None:
+    tensors = merged.network.state_dict()
+    if is_hf(info.backbone):
+        _save_transformers(merged.network.config, tensors, info, directory)
+        return
+    directory.mkdir(parents=True)
+    with writing(directory / MERGED_WEIGHTS):
+        save_file(tensors, str(directory / MERGED_WEIGHTS), metadata={"format": "pt"})
+    config = timm_config(merged, info)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def timm_config(merged: MergedNetwork, info: BackboneInfo) -> dict:
