@@ -54,7 +54,7 @@ from peradapt.adapters.residual import ResidualAdapterLayer
 from peradapt.adapters.vit import BottleneckAdapterLayer
 from peradapt.backbones import TINY_VITS, classifier_name
 from peradapt.backbones.hf import is_hf
-from peradapt.errors import ConfigError, WeightsError
+from peradapt.errors import ConfigError
 
 TIMM = "timm"
 TRANSFORMERS = "transformers"
@@ -103,9 +103,7 @@ def merged_network(model: AdaptedModel, state: AdapterState, backbone: str) -> M
 def _check_mergeable(model: AdaptedModel, state: AdapterState) -> None:
     if any(isinstance(layer, BottleneckAdapterLayer) for layer in model.module.modules()):
         raise ConfigError(_UNMERGEABLE_VIT)
-    if set(state) != set(model.state_names()):
-        unknown = sorted(set(state) - set(model.state_names()))[:3]
-        raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
+    model.check_fits(state)
 
 
 # ---------------------------------------------------------------- the plain architecture

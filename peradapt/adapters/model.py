@@ -180,13 +180,14 @@ class AdaptedModel:
 
     @torch.no_grad()
     def load_state(self, state: AdapterState) -> None:
-        self._check_fits(state)
+        self.check_fits(state)
         for name, parameter in self._parameters.items():
             parameter.copy_(state[name])
         for name, buffer in self._buffers.items():
             buffer.copy_(state[name])
 
-    def _check_fits(self, state: AdapterState) -> None:
+    def check_fits(self, state: AdapterState) -> None:
+        """Refuse a state whose entries are not this model's (a state of another model)."""
         if state.keys() != self._parameters.keys() | self._buffers.keys():
             unknown = sorted(state.keys() - self._parameters.keys() - self._buffers.keys())[:3]
             raise WeightsError(f"adapter state does not fit this model (e.g. {unknown or 'missing keys'})")
@@ -227,7 +228,7 @@ class AdaptedModel:
         """What `save_pretrained` writes for `state`: file name -> content."""
         if self.scope == "full":
             return {FULL_MODEL_FILE: save({k: v.detach().cpu().contiguous() for k, v in state.items()})}
-        self._check_fits(state)
+        self.check_fits(state)
         # Only the weights differ between adapters of one model: they are renamed as PEFT saves them (no state is
         # loaded into the model), and the other files come from one save by PEFT, whose model card alone takes
         # ~40 ms: too long for thousands of clients.
