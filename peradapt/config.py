@@ -56,6 +56,7 @@ PRIVACY = "Privacy"
 OUTPUT = "Output and logging"
 PANELS = (DATA, BACKBONE, FEDERATION, METHOD, DISTILLATION, AUTHORS, PRIVACY, OUTPUT)
 
+EVAL_SPLITS = ("test", "validation")  # --eval-split: what the clients' models are scored on
 TRAIN_CLIENTS = ("all", "sampled")  # --train-clients: every federated client each round, or only the sampled ones
 AGGREGATIONS = ("samples", "uniform")  # server mean over the sampled clients: n_m-weighted or plain
 AUGMENTATIONS = ("auto", "none", "crop-flip", "resized-crop")
@@ -164,6 +165,20 @@ def tracker_names(log: str | None) -> list[str]:
             )
         names.append(name)
     return names
+
+
+BUDGET_KINDS = ("client-samples",)  # --budget KIND:N: the work a run stops at
+
+
+def parse_budget(budget: str) -> tuple[str, int]:
+    """`--budget KIND:N` as (KIND, N); one line naming the flag for anything else."""
+    kind, _, count = budget.partition(":")
+    if kind not in BUDGET_KINDS or not count.strip().isdigit() or int(count) < 1:
+        raise ConfigError(
+            f"--budget must be {' or '.join(k + ':N' for k in BUDGET_KINDS)} with N a whole number of at least 1, "
+            f"got '{budget}'"
+        )
+    return kind, int(count)
 
 
 def check_device(device: str) -> None:
@@ -286,6 +301,25 @@ class DataConfig:
         metavar="NAME",
         shown_default="its ClassLabel, or label, ...",
     )
+    eval_split: str = setting(
+        "test",
+        help="What the clients' models are scored on: test (their test splits and the global test set) or "
+        "validation (a --validation-fraction of each client's training images, held out of its training; the "
+        "global score is on the union of those): what `compare --tune` scores trials on, and the test split is "
+        "then never read.",
+        group=DATA,
+        choices=EVAL_SPLITS,
+    )
+    validation_fraction: float = setting(
+        0.2,
+        help="--eval-split validation: the share of each client's training images held out as its validation "
+        "split (at least one image, and one left to train on).",
+        group=DATA,
+        minimum=0.0,
+        maximum=1.0,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
+    )
 
 
 @dataclass
@@ -381,6 +415,16 @@ class FederationConfig:
         group=FEDERATION,
         minimum=1,
         metavar="K",
+    )
+
+    budget: str | None = setting(
+        None,
+        help="Stop once the clients have done this much work, checked after each round (--rounds stays the "
+        "most): client-samples:N, the training images their SGD steps processed, summed over clients and rounds. "
+        "Compares methods at equal client compute (e.g. those that train every client each round).",
+        group=FEDERATION,
+        metavar="KIND:N",
+        check=parse_budget,
     )
 
     def store_kind(self) -> str:
