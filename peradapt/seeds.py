@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PERSONAL, LOCAL, SERVER, SAMPLING, EVALUATION = 1, 2, 3, 4, 5
+PERSONAL, LOCAL, SERVER, SAMPLING, EVALUATION, VALIDATION = 1, 2, 3, 4, 5, 6
 
 
 def derive_seed(*parts: int) -> int:

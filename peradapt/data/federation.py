@@ -33,6 +33,7 @@ from peradapt.data.sources import (
     source_kind,
 )
 from peradapt.errors import ConfigError, DataError
+from peradapt.seeds import VALIDATION, derive_seed
 
 # Fixed, and independent of --seed: `pretrain` and every `train --seed S` must agree on which training
 # images were pretrained on, so that those never reach a client.
@@ -231,6 +232,7 @@ def build_federation(
     label_column: str | None = None,
     skip_bad_images: bool = False,
     normalization_constants: str = "exact",
+    validation_fraction: float | None = None,
 ) -> FederatedData:
     """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
 
@@ -240,6 +242,10 @@ def build_federation(
     ``label_column`` choose the columns of an ``hf:`` dataset (None: detected); ``skip_bad_images`` leaves out
     the undecodable images of imagefolder and hf data (and of such --kd-data) before the fixed split.
     ``normalization_constants``: the statistics of both sources, exact or the authors' (`normalization_statistics`).
+    ``validation_fraction`` (``--eval-split validation``): each client's test split is instead that share of its
+    training images, held out of its training (`_validation_clients`), and the global test set their union; the
+    partition (and partition.json) is the one the test split gives, so trials tuned on it and the final runs share
+    their clients, and no test image reaches the model.
 
     Image files (imagefolder, hf) are counted and labeled first, so that every check that needs no pixels (the
     pool's size against --clients, a given partition's sizes and indices) comes before decoding, and with
@@ -299,6 +305,10 @@ def build_federation(
         **({"groups": list(groups.names)} if groups.names else {}),
         "clients": [_client_record(client, groups.pool, groups.test, groups.count) for client in clients],
     }
+    global_test = test.subset(np.sort(np.concatenate(parts.test)))
+    if validation_fraction is not None:
+        clients = _validation_clients(clients, pool, validation_fraction, seed)
+        global_test = pool.subset(np.sort(np.concatenate([client.test_indices for client in clients])))
     kd_options = {"download": download, "limit_samples": limit_samples, "skip_bad_images": skip_bad_images}
     kd, kd_mean, kd_std = _kd_images(
         kd_source, source, image_size, splits, data_dir, constants=normalization_constants, **kd_options
@@ -316,11 +326,30 @@ def build_federation(
         kd=kd,
         kd_mean=kd_mean,
         kd_std=kd_std,
-        global_test=test.subset(np.sort(np.concatenate(parts.test))),
+        global_test=global_test,
         partition=record,
         classes=source.classes,
         skipped_images=source.skipped,
     )
+
+
+def _validation_clients(clients: list[ClientData], pool: ImageSet, fraction: float, seed: int) -> list[ClientData]:
+    """Each client with a random `fraction` of its training images (at least one, and at least MIN_CLIENT_TRAIN
+    left to train on) as its test split instead, drawn from (seed, VALIDATION, client): its validation split. Its
+    indices are then both into the client pool."""
+    held_out = []
+    for client in clients:
+        size = len(client.train_indices)
+        count = min(max(1, round(fraction * size)), size - MIN_CLIENT_TRAIN)
+        if count < 1:
+            raise DataError(
+                f"--eval-split validation: client {client.client_id} has {size} training images, too few to hold "
+                f"one out and keep {MIN_CLIENT_TRAIN} to train on: lower --clients or raise --limit-samples"
+            )
+        order = np.random.default_rng(derive_seed(seed, VALIDATION, client.client_id)).permutation(size)
+        kept, validation = np.sort(client.train_indices[order[count:]]), np.sort(client.train_indices[order[:count]])
+        held_out.append(ClientData(client.client_id, pool.subset(kept), pool.subset(validation), kept, validation))
+    return held_out
 
 
 def _client_set_sizes(scanned: ScannedSource, splits: FixedSplits, layout: str) -> tuple[int, int]:

@@ -174,6 +174,7 @@ def build_session(
         label_column=config.data.label_column,
         skip_bad_images=config.data.skip_bad_images,
         normalization_constants=config.backbone.normalization_constants,
+        validation_fraction=config.data.validation_fraction if config.data.eval_split == "validation" else None,
     )
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
