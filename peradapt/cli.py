@@ -169,7 +169,7 @@ def train(
     settings = given_settings(context, leave_out=("resume", "config", "preset"))
     train_config = api.training_config(resume=resume, preset=preset, config_file=config, **settings)
     report = api.train(train_config, resume=resume, console=err_console)
-    from peradapt.evaluation import results_table
+    from peradapt.evaluation import cost_summary, results_table
 
     clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
     title = f"{report['method']} on {report['data']}, {clients}, {rounds}"
@@ -179,6 +179,8 @@ def train(
             f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
         )
     out_console.print(results_table(report["summary"], title, report["metric"], report["selected_on_test"]))
+    if "cost" in report:  # not for a run resumed from rounds recorded before costs were
+        out_console.print(cost_summary(report["cost"]), soft_wrap=True)
     out_console.print(f"run directory: {train_config.out}", soft_wrap=True)
 
 

@@ -49,8 +49,37 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.
 
 
 def run_files(run: Path) -> dict[str, bytes]:
-    """Every file a run leaves, by relative path (the results a user would compare)."""
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    """Every file a run leaves, by relative path (the results a user would compare), without what two runs of the
+    same settings never share: seconds and peak memory (`timing`, see `without_timing`)."""
+    return {
+        str(p.relative_to(run)): without_timing(str(p.relative_to(run)), p.read_bytes())
+        for p in sorted(run.rglob("*"))
+        if p.is_file()
+    }
+
+
+def without_timing(name: str, data: bytes) -> bytes:
+    """A run's file but for its `timing` entries: each round's in metrics.jsonl and in a checkpoint's metadata
+    (whose tensors' bytes stay as they are), and the cost's in report.json. Everything else is compared as written."""
+
+    def timeless(record: dict) -> dict:
+        assert "timing" in record, record  # present, to be left out
+        return {key: value for key, value in record.items() if key != "timing"}
+
+    if name == "metrics.jsonl":
+        return "".join(json.dumps(timeless(json.loads(line))) + "\n" for line in data.decode().splitlines()).encode()
+    if name == "report.json":
+        report = json.loads(data)
+        report["cost"] = timeless(report["cost"])
+        return json.dumps(report).encode()
+    if name.startswith("checkpoints/") and name.endswith(".safetensors"):
+        size = int.from_bytes(data[:8], "little")  # safetensors: the header's length, the JSON header, the tensors
+        header = json.loads(data[8 : 8 + size])
+        meta = json.loads(header["__metadata__"]["peradapt"])
+        meta["metrics"] = [timeless(record) for record in meta["metrics"]]
+        header["__metadata__"]["peradapt"] = meta
+        return json.dumps(header).encode() + data[8 + size :]
+    return data
 
 
 def results(run: Path) -> dict[str, bytes]:

@@ -60,7 +60,12 @@ def records(run: Path) -> list[dict]:
 
 
 def numbers(record: dict) -> dict[str, float]:
-    return {k: v for k, v in record.items() if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The record's numbers, those of its objects (a round's cost and timing) named `object/key`."""
+    flat = {k: v for k, v in record.items() if not isinstance(v, dict)}
+    flat.update(
+        {f"{k}/{key}": v for k, entries in record.items() if isinstance(entries, dict) for key, v in entries.items()}
+    )
+    return {k: v for k, v in flat.items() if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def tensorboard_events(run: Path) -> EventAccumulator:
@@ -80,6 +85,9 @@ def test_tensorboard_holds_every_round_the_settings_and_the_summary(runs):
     events = tensorboard_events(tracked)
     logged = records(tracked)
     assert [r["round"] for r in logged] == [1, 2] and "personalized_local_test" in logged[0]
+    assert {"cost/bytes_up", "cost/client_flops", "timing/client_seconds", "timing/peak_rss_bytes"} <= set(
+        numbers(logged[0])
+    )
     for key in {k for record in logged for k in numbers(record)}:
         scalars = events.Scalars(key)
         expected = [(r["round"], numbers(r)[key]) for r in logged if key in numbers(r)]
@@ -133,7 +141,12 @@ def test_a_resumed_run_continues_each_tracker_run_and_logs_every_round_once(
     assert second["kwargs"]["resume"] == "allow" and second["exit_code"] is None
     assert [step for step, _ in first["logged"] + second["logged"]] == [1, 2, 3]
     assert [values for _, values in first["logged"] + second["logged"]] == [numbers(r) for r in logged]
-    assert second["summary"] == {f"summary/{k}": v for k, v in summary.items()}
+    cost = json.loads((run / "report.json").read_text())["cost"]
+    assert second["summary"]["run_cost/client_samples"] == cost["client_samples"]
+    assert second["summary"]["run_cost/timing/client_seconds"] == cost["timing"]["client_seconds"]
+    assert {k: v for k, v in second["summary"].items() if k.startswith("summary/")} == {
+        f"summary/{k}": v for k, v in summary.items()
+    }
     assert second["config"]["rounds"] == 3 and second["config"]["resolved/client_store"] == "memory"
     offline_runs = sorted(p.name for p in (tmp_path / "wandb-dir" / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2 and all(first["id"] in name for name in offline_runs)

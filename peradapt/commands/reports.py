@@ -4,8 +4,9 @@ Per run it reads `config.json` (scope), `metrics.jsonl` (accuracies of the evalu
 `report.json` (the final evaluation: per client, personalized and global), any `ood-<name>.json` (`peradapt eval
 --ood NAME`: accuracy on an out-of-distribution set, averaged over its parts) and any
 `new_clients/<id>/result.json` (`peradapt personalize`). Nothing is re-evaluated: the numbers are exactly the
-ones those commands wrote. It writes `accuracy_per_round.png`, `per_client.png`, `summary.md` and `summary.json`
-into `out`: by default the run directory itself for one run, `reports/` for several.
+ones those commands wrote. It writes `accuracy_per_round.png`, `per_client.png`, `accuracy_vs_cost.png` (runs that
+recorded their costs), `summary.md` and `summary.json` into `out`: by default the run directory itself for one run,
+`reports/` for several.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import numpy as np
 from peradapt.commands.newclients import NEW_CLIENTS_DIR
 from peradapt.comparison import ACCURACIES
 from peradapt.errors import RunError
-from peradapt.evaluation.plots import ROUND_METRICS, RunResults, plot_accuracy_per_round, plot_per_client
+from peradapt.evaluation import METRIC_LABELS
+from peradapt.evaluation.plots import (
+    ROUND_METRICS,
+    CostPoint,
+    RunResults,
+    plot_accuracy_per_round,
+    plot_accuracy_vs_cost,
+    plot_per_client,
+)
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.files import ROUND_RECORD, check, damaged, read_json, read_text
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
@@ -48,6 +57,11 @@ def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
         plot_accuracy_per_round(results, out / "accuracy_per_round.png"),
         plot_per_client(results, out / "per_client.png"),
     ]
+    costed = [run for run in loaded if "cost" in run["report"]]  # not runs from before costs were recorded
+    if costed:
+        metrics = "/".join(sorted({METRIC_LABELS[run["metric"]] for run in costed}))
+        y_name = f"personalized local-test {metrics} %"
+        written.append(plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png"))
     write_text_atomic(out / "summary.md", markdown_summary(rows))
     write_json_atomic(out / "summary.json", {"accuracy_unit": "percent", "rows": rows})
     return [*written, out / "summary.md", out / "summary.json"]
@@ -90,6 +104,23 @@ def _read_metrics(path: Path) -> list[dict]:
         check(record, ROUND_RECORD, path, remedy, f"line {number}")
         records.append(record)
     return records
+
+
+def cost_panels(runs: list[dict]) -> list[tuple[str, list[CostPoint]]]:
+    """`plot_accuracy_vs_cost`'s panels: each run's personalized local-test (percent) against the bytes its clients
+    sent and received, their training FLOPs and their training samples (report.json's `cost`), by method."""
+    panels: dict[str, list[CostPoint]] = {
+        "bytes sent, up and down": [],
+        "client training FLOPs": [],
+        "client training samples": [],
+    }
+    for run in runs:
+        report, cost = run["report"], run["report"]["cost"]
+        score = _percent(report["personalized"]["local_test"])
+        costs = (cost["bytes_up"] + cost["bytes_down"], cost["client_flops"], cost["client_samples"])
+        for points, value in zip(panels.values(), costs, strict=True):
+            points.append((report["method"], float(value), score))
+    return list(panels.items())
 
 
 def _percent(value: float | dict) -> float:

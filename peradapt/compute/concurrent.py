@@ -44,6 +44,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
 from peradapt.adapters.model import logits_of
 from peradapt.backbones.small_inputs import SmallInputConv2d
+from peradapt.compute.costs import sgd_samples
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, diverged, task_loss
 from peradapt.errors import ConfigError
 from peradapt.seeds import derive_seed
@@ -108,21 +109,28 @@ class ConcurrentSGD:
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
 
     def run_steps(
-        self, steps: Sequence[Generator[SGDJob, SGDResult, T]], on_finished: Callable[[int], None] | None = None
+        self,
+        steps: Sequence[Generator[SGDJob, SGDResult, T]],
+        on_finished: Callable[[int, int], None] | None = None,
     ) -> list[T]:
         """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
-        trained together with the others' (`run`); what each returns, in their order, calling `on_finished(i)` as
-        the i-th one ends. `LocalTrainer.run_steps` drives one."""
+        trained together with the others' (`run`); what each returns, in their order, calling
+        `on_finished(i, samples)` as the i-th one ends, with the training samples of its jobs (the minibatches
+        `LocalTrainer.minibatches` draws for them: `sgd_samples`) and of what it trains itself between them (FedALA's
+        ALA, counted by `LocalTrainer.samples_trained`). `LocalTrainer.run_steps` drives one."""
         finished: dict[int, T] = {}
         pending: dict[int, SGDJob] = {}
+        samples = [0] * len(steps)
 
         def advance(index: int, result: SGDResult | None) -> None:
+            before = self.trainer.samples_trained
             try:
                 pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
             except StopIteration as done:
                 finished[index] = done.value
-                if on_finished is not None:
-                    on_finished(index)
+            samples[index] += self.trainer.samples_trained - before  # trained by the client itself: FedALA's ALA
+            if index in finished and on_finished is not None:
+                on_finished(index, samples[index])
 
         for index in range(len(steps)):
             advance(index, None)
@@ -130,6 +138,10 @@ class ConcurrentSGD:
             jobs = dict(pending)
             pending.clear()
             for index, result in zip(jobs, self.run(list(jobs.values())), strict=True):
+                job = jobs[index]
+                samples[index] += sgd_samples(
+                    len(job.data), self.trainer.batch_size, epochs=job.epochs, steps=job.steps
+                )
                 advance(index, result)
         return [finished[index] for index in range(len(steps))]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peradapt.adapters import AdaptedModel, AdapterState
+from peradapt.compute.costs import training_flops
 from peradapt.compute.metrics import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
 from peradapt.data.batches import AUGMENTATIONS, augment_batch
@@ -160,6 +161,9 @@ class LocalTrainer:
     batch_size: int
     eval_batch_size: int = 512
     privacy: PrivateTraining | None = None  # --dp-noise: every `run` is DP-SGD, its steps charged to the client
+    # Samples through a training forward and backward pass in this process (`loss` and `descend` count them; a
+    # caller reads the change over a client update: `peradapt.compute.costs`).
+    samples_trained: int = field(default=0, init=False)
 
     def run(self, job: SGDJob) -> SGDResult:
         """`job.epochs` passes of minibatch SGD on the loss (see `loss`) from `job.start`; with `job.steps`, that many
@@ -224,6 +228,7 @@ class LocalTrainer:
                 optimizer.step()
                 totals = [total + term.item() for total, term in zip(totals, terms, strict=True)]
                 batches += 1
+                self.samples_trained += len(labels)  # its objective's terms need not go through `loss`
         means = {name: total / max(batches, 1) for name, total in zip(objective.names, totals, strict=True)}
         return job.finished(self.model.state()), means
 
@@ -301,13 +306,29 @@ class LocalTrainer:
             passes += 1
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
-        """`task_loss` of the model as it is loaded. Stops the run if it is no longer finite."""
+        """`task_loss` of the model as it is loaded, the forward pass of a training step: its samples are counted
+        (`samples_trained`). Stops the run if it is no longer finite."""
+        self.samples_trained += len(labels)
         return finite(self.unchecked_loss(images, labels, reduction), lr)
 
     def unchecked_loss(self, images: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """`loss` without its check (for a caller that checks the sum of its terms)."""
+        """`loss` without its check, nor its count (for `descend`, which checks the sum of its terms and counts its
+        steps)."""
         with self.inputs.autocast():
             return task_loss(self.model(images), labels, reduction)
+
+    def training_flops(self, images: torch.Tensor) -> int:
+        """FLOPs per sample of a training step with every trainable parameter training (`costs.training_flops`), on
+        `images` (uint8, as stored) made model inputs. In evaluation mode, which changes no count: no BatchNorm
+        statistic moves and no dropout draws, so the rounds see the model and random streams they would without."""
+        training = self.model.module.training
+        self.model.eval()
+        try:
+            with self.inputs.autocast():
+                return training_flops(self.model, self.inputs(images), self.model.trainable_parameters().values())
+        finally:
+            if training:
+                self.model.train()
 
     @torch.no_grad()  # not inference_mode: cached teacher logits are used in autograd later
     def logits(self, state: AdapterState, data: ImageSet, inputs: InputPipeline | None = None) -> torch.Tensor:

@@ -24,8 +24,9 @@ Only during the first `--kd-rounds` rounds, if set (the authors' `kd_max_round`)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,9 @@ class Distiller:
     val_data: ImageSet
     config: DistillConfig
     inputs: InputPipeline | None = None  # distillation images -> model inputs; None: as the clients' (unaugmented)
+    # Wall-clock seconds of every `distill` so far in this process: the engine tells distillation from the rest of
+    # a method's server update by its change over the update.
+    seconds: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.inputs is None:
@@ -112,6 +116,7 @@ class Distiller:
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         """R Adam steps from `student` towards the teachers' mean logits; returns the best adapter on validation."""
+        started = time.perf_counter()
         config, trainer, inputs = self.config, self.trainer, self.inputs
         assert inputs is not None
         model = trainer.model
@@ -173,6 +178,7 @@ class Distiller:
             "kd_val_after": best_score,
             "kd_best_step": best_step,
         }
+        self.seconds += time.perf_counter() - started
         return best_state, info
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""PNG plots of finished runs: accuracy per round and per client, for `peradapt report`.
+"""PNG plots of finished runs: accuracy per round, per client and against cost, for `peradapt report`.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no display, no global backend switch) at a
 fixed size, so every plot of a kind has the same pixel size whatever it shows.
@@ -7,6 +7,7 @@ fixed size, so every plot of a kind has the same pixel size whatever it shows.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,5 +160,29 @@ def plot_per_client(runs: list[RunResults], path: Path) -> Path:
     axis.set_title(
         f"per-client local-test {_metric_label(runs)}: personalized models (bars), the global model (black ticks)"
     )
+    _save(figure, path)
+    return path
+
+
+CostPoint = tuple[str, float, float]  # (label, cost, score): one run
+
+
+def plot_accuracy_vs_cost(panels: Sequence[tuple[str, Sequence[CostPoint]]], y_name: str, path: Path) -> Path:
+    """A panel per kind of cost, given as its axis name and its points: each run's score against what it cost, the
+    point labelled and coloured by its label (a method: its seeds share a colour). The cost axis is logarithmic
+    where every cost is positive, as methods differ by orders of magnitude (an adapter against a whole model)."""
+    labels = list(dict.fromkeys(label for _, points in panels for label, _, _ in points))
+    colors = dict(zip(labels, _colors(len(labels)), strict=True))
+    figure = _figure(ROUNDS_SIZE)
+    for axis, (x_name, points) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for label, x, y in points:
+            axis.plot([x], [y], "o", markersize=7, color=colors[label])
+            axis.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        if points and all(x > 0 for _, x, _ in points):
+            axis.set_xscale("log")
+        axis.set_xlabel(x_name)
+        axis.set_ylabel(y_name)
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"{y_name} against cost (one point per run)", fontsize=11)
     _save(figure, path)
     return path

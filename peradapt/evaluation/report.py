@@ -43,3 +43,31 @@ def results_table(flat: dict[str, float], title: str, metric: str = "accuracy", 
             f"{100 * best_global['value']:.2f}",
         )
     return table
+
+
+def quantity(value: float, unit: str) -> str:
+    """`value` with a decimal prefix (k, M, G, T, P): 1.23 MB, 4.5 GFLOPs."""
+    for prefix in ("", "k", "M", "G", "T"):
+        if abs(value) < 1000:
+            return f"{value:.3g} {prefix}{unit}"
+        value /= 1000
+    return f"{value:.3g} P{unit}"
+
+
+def cost_summary(cost: dict) -> str:
+    """A report's `cost` in one line: traffic, client work, seconds, peak memory, and the budget's outcome."""
+    timing, budget = cost["timing"], cost["budget"]
+    server = timing["aggregation_seconds"] + timing["distillation_seconds"]
+    parts = [
+        f"cost: {quantity(cost['bytes_up'], 'B')} up, {quantity(cost['bytes_down'], 'B')} down "
+        f"({quantity(cost['bytes_up_per_client_round'], 'B')} up per client and round)",
+        f"{cost['client_samples']:,} client training samples, {quantity(cost['client_flops'], 'FLOPs')}",
+        f"clients {timing['client_seconds']:.1f} s, server {server:.1f} s "
+        f"(distillation {timing['distillation_seconds']:.1f} s)",
+        f"peak memory {quantity(timing['peak_rss_bytes'], 'B')}"
+        + ("" if timing["peak_cuda_bytes"] is None else f", GPU {quantity(timing['peak_cuda_bytes'], 'B')}"),
+    ]
+    if budget is not None:
+        outcome = "reached" if budget["reached"] else "not reached"
+        parts.append(f"--budget client-samples:{budget['client_samples']} {outcome} in {cost['rounds_played']} rounds")
+    return "; ".join(parts)

@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
+from peradapt.compute.costs import ClientWork, peak_memory, state_bytes
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
-from peradapt.config import TrainConfig, method_path_label
+from peradapt.config import TrainConfig, method_path_label, parse_budget
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
 from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, machine_error
@@ -73,6 +75,7 @@ from peradapt.seeds import SERVER, derive_seed, sample_clients
 RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log", "concurrent_clients")
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
+SECONDS = ("client_seconds", "aggregation_seconds", "distillation_seconds")  # a round's `timing`, summed by the report
 _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
 
 
@@ -150,6 +153,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
         session = open_session(run_dir, config, client_store=_store_directory(store, paths))
     else:
         session = build_session(config, client_store=_store_directory(config.federation.store_kind(), paths))
+    check_budget(session)
     created = first_missing(run_dir)
     with RunLock(run_dir, exclusive=True):
         try:
@@ -307,10 +311,11 @@ def _remove_new_run(paths: RunPaths, created: Path | None) -> None:
 
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
     """The rounds left, then the final evaluation and export: the same for every engine."""
+    flops = training_flops(run.session)
     global_state = _run_rounds(
-        run.session, run.global_state, run.history, run.paths, console, clients, tracking=run.tracking
+        run.session, run.global_state, run.history, run.paths, console, clients, flops, tracking=run.tracking
     )
-    return _finish(run.session, global_state, run.history, run.paths, console, clients, tracking=run.tracking)
+    return _finish(run.session, global_state, run.history, run.paths, console, clients, flops, tracking=run.tracking)
 
 
 class Clients(Protocol):
@@ -330,7 +335,8 @@ class Clients(Protocol):
         `clients` in their order, after round `played` with the checkpoint of round `checkpointed` written."""
 
     def traffic(self) -> dict:
-        """What was sent since the last call, for the round's record (nothing moves in the builtin engine)."""
+        """What was sent since the last call, for the round's record: at least the bytes sent to (`bytes_down`) and
+        by (`bytes_up`) each trained client, in the order of `trained`."""
 
 
 class LocalClients:
@@ -340,20 +346,26 @@ class LocalClients:
     def __init__(self, session: Session, console: Console) -> None:
         self.session = session
         self.concurrent = concurrent_training(session, console)
+        self._traffic: dict = {}
 
     def train(
         self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
     ) -> list[ClientUpdate]:
+        updates = []
         if self.concurrent is None:
-            updates = []
             for client_id in trained:
                 updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
                 on_client(client_id)
-            return updates
-        updates, together = [], self.session.config.federation.concurrent_clients
-        for start in range(0, len(trained), together):
-            group = trained[start : start + together]
-            updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index, on_client)
+        else:
+            together = self.session.config.federation.concurrent_clients
+            for start in range(0, len(trained), together):
+                group = trained[start : start + together]
+                updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index, on_client)
+        # What a deployment would send: the payload's tensors and the upload's, as they are (their bytes).
+        self._traffic = {
+            "bytes_down": [state_bytes(payloads[client_id]) for client_id in trained],
+            "bytes_up": [state_bytes(update.upload) for update in updates],
+        }
         return updates
 
     def personalized(
@@ -362,7 +374,8 @@ class LocalClients:
         return lambda client_id: self.session.method.personalized(client_id, global_state)
 
     def traffic(self) -> dict:
-        return {}
+        traffic, self._traffic = self._traffic, {}
+        return traffic
 
 
 def play_client(session: Session, client_id: int, payload: AdapterState, round_index: int) -> ClientUpdate:
@@ -370,8 +383,12 @@ def play_client(session: Session, client_id: int, payload: AdapterState, round_i
     sent it (the global state, or the client's own payload), seeded by (seed, round, client), so that any engine,
     process or machine gives the same numbers."""
     client_seed = derive_seed(session.config.seed, round_index, client_id)
-    with charged_to(session.trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
-        return session.method.client_update(session.data.clients[client_id], payload, client_seed)
+    trainer, started = session.trainer, time.perf_counter()
+    samples = trainer.samples_trained
+    with charged_to(trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
+        update = session.method.client_update(session.data.clients[client_id], payload, client_seed)
+    update.work = ClientWork(trainer.samples_trained - samples, time.perf_counter() - started)
+    return update
 
 
 def play_clients_together(
@@ -390,7 +407,18 @@ def play_clients_together(
         method.client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
         for c in client_ids
     ]
-    return concurrent.run_steps(steps, on_finished=lambda index: on_client(client_ids[index]))
+    samples = [0] * len(client_ids)
+
+    def finished(index: int, trained: int) -> None:
+        samples[index] = trained
+        on_client(client_ids[index])
+
+    started = time.perf_counter()
+    updates = concurrent.run_steps(steps, on_finished=finished)
+    seconds = (time.perf_counter() - started) / len(client_ids)  # one pass for all: its time shared out evenly
+    for update, trained in zip(updates, samples, strict=True):
+        update.work = ClientWork(trained, seconds)
+    return updates
 
 
 def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | None:
@@ -410,6 +438,43 @@ def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | N
         return ConcurrentSGD(session.trainer)
     console.print(f"--concurrent-clients {together}: {reason}; clients train one after another")
     return None
+
+
+def training_flops(session: Session) -> int:
+    """FLOPs per training sample of a client's step (`LocalTrainer.training_flops`), measured once per run, on a
+    federated client's first training image twice: the rounds multiply it by the samples they count."""
+    images = next(client.train.images[:1] for client in session.federated_clients if len(client.train))
+    return session.trainer.training_flops(images.repeat(2, 1, 1, 1))
+
+
+def budget_limit(config: TrainConfig) -> int | None:
+    """--budget client-samples:N's N (None: no budget)."""
+    budget = config.federation.budget
+    return None if budget is None else parse_budget(budget)[1]
+
+
+def check_budget(session: Session) -> None:
+    """Refuse a --budget that the run cannot reach within --rounds, before anything is written: a round processes
+    at most what the method's client update can (`Method.client_samples_bound`) on the clients with the most data,
+    as many as a round trains. Not checked where that is not known before the run: with --dp-noise (DP-SGD's
+    Poisson batches have no largest size) or for a method that does not say."""
+    limit, fed, method = budget_limit(session.config), session.config.federation, session.method
+    if limit is None or session.trainer.privacy is not None:
+        return
+    bounds = [method.client_samples_bound(client) for client in session.federated_clients]
+    known = [bound for bound in bounds if bound is not None]
+    if len(known) < len(bounds):
+        return
+    federated = [client.client_id for client in session.federated_clients]
+    trained = len(method.clients_to_train(federated[: fed.clients_per_round], federated))
+    per_round = sum(sorted(known, reverse=True)[:trained])
+    if per_round * fed.rounds < limit:
+        needed = f"--rounds {-(-limit // per_round)}" if per_round else "clients with training data"
+        raise ConfigError(
+            f"--budget {fed.budget} cannot be reached: --method {session.config.method.method} processes at most "
+            f"{per_round:,} client training samples a round ({counted(trained, 'client')}), "
+            f"{per_round * fed.rounds:,} in --rounds {fed.rounds}; lower N or give it {needed}"
+        )
 
 
 def _store_directory(kind: str, paths: RunPaths) -> Path | None:
@@ -448,6 +513,7 @@ def _run_rounds(
     paths: RunPaths,
     console: Console,
     clients: Clients,
+    flops: int,
     tracking: Tracking | None = None,
 ) -> dict:
     config, method = session.config, session.method
@@ -455,10 +521,17 @@ def _run_rounds(
     federated = fed.clients - fed.holdout_clients  # held-out clients are the last ids: never sampled
     distiller = method.context.distiller
     federated_ids = list(range(federated))
+    limit = budget_limit(config)
     with progress_display(console) as progress:
         # without a terminal, a line per round (`ProgressLines`): what a live display shows as it goes
         rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history), log_each_step=True)
         for round_index in range(len(history), fed.rounds):
+            if limit is not None and client_samples(history) >= limit:
+                console.print(
+                    f"--budget {fed.budget}: reached after round {round_index} "
+                    f"({client_samples(history):,} client training samples); no more rounds"
+                )
+                break
             sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
             trained = method.clients_to_train(sampled, federated_ids)  # pFedMe, pFedBreD: every client trains
             payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
@@ -468,6 +541,7 @@ def _run_rounds(
             by_client = {update.client_id: update for update in updates}
             kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
+            server_started, distilled = time.perf_counter(), distiller.seconds if distiller else 0.0
             global_state, server_metrics = method.server_update(
                 global_state,
                 [by_client[client_id] for client_id in sampled],  # the sample is aggregated, whoever trained
@@ -475,6 +549,8 @@ def _run_rounds(
                 round_index,
                 on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
             )
+            server_seconds = time.perf_counter() - server_started
+            distillation_seconds = (distiller.seconds if distiller else 0.0) - distilled
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
             if trained != sampled:
@@ -489,6 +565,21 @@ def _run_rounds(
                 record.update(summarize(evaluation))
                 record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
             record.update(clients.traffic())
+            samples = [update.work.samples for update in updates]  # `updates` are in the order of `trained`
+            record["client_samples"] = samples
+            record["cost"] = {  # the round's totals: deterministic, identical on --resume
+                "bytes_down": sum(record["bytes_down"]),
+                "bytes_up": sum(record["bytes_up"]),
+                "client_samples": sum(samples),
+                "client_flops": sum(samples) * flops,
+            }
+            # What differs from run to run of the same settings, under one key (see `peradapt.compute.costs`)
+            record["timing"] = {
+                "client_seconds": sum(update.work.seconds for update in updates),
+                "aggregation_seconds": server_seconds - distillation_seconds,
+                "distillation_seconds": distillation_seconds,
+                **peak_memory(session.device),
+            }
             with deferred_interrupts():  # Ctrl-C: after the round's checkpoint, not between its files
                 history.append(record)
                 _save_round(session, global_state, history, paths)
@@ -496,6 +587,11 @@ def _run_rounds(
                 tracking.log_round(record)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
     return global_state
+
+
+def client_samples(history: list[dict]) -> int:
+    """The client training samples of the rounds of `history`, which --budget client-samples:N stops at."""
+    return sum(record["cost"]["client_samples"] for record in history)
 
 
 def _client_progress(session: Session, progress: Progress | ProgressLines, bar: int) -> Callable[[int], None]:
@@ -559,13 +655,14 @@ def _finish(
     paths: RunPaths,
     console: Console,
     clients: Clients,
+    flops: int,
     tracking: Tracking | None = None,
 ) -> dict:
-    federated, rounds = session.federated_clients, session.config.federation.rounds
+    federated, played = session.federated_clients, len(history)  # fewer than --rounds if --budget stopped the run
     with progress_display(console) as progress:
         finished = progress.add_task("final evaluation and export", total=len(federated))
         # Each personalized adapter is asked for once (under Flower, fetched from its node once): scored and saved.
-        personalized = clients.personalized(federated, global_state, played=rounds, checkpointed=rounds)
+        personalized = clients.personalized(federated, global_state, played=played, checkpointed=played)
         evaluation = _evaluate(
             session,
             exporting(session.model, personalized, paths.root),
@@ -575,7 +672,7 @@ def _finish(
             on_client=lambda: progress.advance(finished),
         )
         session.model.save_pretrained(paths.global_adapter, global_state)
-    report = build_report(session, evaluation, history)
+    report = build_report(session, evaluation, history, flops)
     # The clients' data as scored: a table built from this report can be checked against the split it names.
     report["partition_sha256"] = hashlib.sha256(paths.partition.read_bytes()).hexdigest()
     write_json_atomic(paths.report, report)
@@ -606,7 +703,7 @@ def exporting(
     return personalized_and_exported
 
 
-def build_report(session: Session, evaluation: dict, history: list[dict]) -> dict:
+def build_report(session: Session, evaluation: dict, history: list[dict], flops: int) -> dict:
     def with_stats(values: list[float], **clients: list[int]) -> dict:
         return {**summary(values), "per_client": values, **clients}
 
@@ -623,7 +720,7 @@ def build_report(session: Session, evaluation: dict, history: list[dict]) -> dic
         "data": config.data.data,
         "metric": evaluation["metric"],
         "classes": list(session.class_names),
-        "rounds": config.federation.rounds,
+        "rounds": len(history),  # played: --rounds, or fewer where --budget stopped the run
         "seed": config.seed,
         "clients": evaluation["clients"],
         "personalized": {
@@ -637,9 +734,41 @@ def build_report(session: Session, evaluation: dict, history: list[dict]) -> dic
         },
         "summary": summarize(evaluation),
         # The authors' reporting: per client its best evaluated round on its own test data (see evaluation.selection)
-        SELECTED_ON_TEST: select_on_test(history, config.federation.rounds, evaluation),
+        SELECTED_ON_TEST: select_on_test(history, len(history), evaluation),
         "trainable_parameters": session.model.num_trainable(),
         "backbone_parameters": session.model.num_backbone(),
         **held_out,
         **privacy_report(session.trainer.privacy, session.store, evaluation["clients"]),
+        **cost_report(session, history, flops),
+    }
+
+
+def cost_report(session: Session, history: list[dict], flops: int) -> dict:
+    """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, with the method's
+    parameter counts and the budget. Nothing for a run with rounds from before costs were recorded (resumed)."""
+    if not all("cost" in record for record in history):
+        return {}
+    totals = {key: sum(record["cost"][key] for record in history) for key in ("bytes_down", "bytes_up")}
+    client_rounds = sum(len(record["bytes_up"]) for record in history)
+    timings = [record["timing"] for record in history]
+    now = peak_memory(session.device)  # the final evaluation's too
+    cuda = [t["peak_cuda_bytes"] for t in [*timings, now] if "peak_cuda_bytes" in t]
+    limit = budget_limit(session.config)
+    samples = client_samples(history)
+    return {
+        "cost": {
+            "rounds_played": len(history),
+            **totals,
+            **{f"{key}_per_client_round": totals[key] / max(client_rounds, 1) for key in totals},
+            "client_samples": samples,
+            "client_flops": sum(record["cost"]["client_flops"] for record in history),
+            "training_flops_per_sample": flops,
+            "parameters": session.method.parameter_counts(),
+            "budget": None if limit is None else {"client_samples": limit, "reached": samples >= limit},
+            "timing": {
+                **{key: sum(t[key] for t in timings) for key in SECONDS},
+                "peak_rss_bytes": max(t["peak_rss_bytes"] for t in [*timings, now]),
+                "peak_cuda_bytes": max(cuda, default=None),  # None: not on a GPU
+            },
+        }
     }

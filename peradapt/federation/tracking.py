@@ -1,9 +1,10 @@
 """Experiment tracking (`train --log tensorboard,wandb,mlflow`): round metrics, settings and the final summary.
 
-Each tracker gets every numeric entry of each round's record (what `metrics.jsonl` holds, at step = round), the
-settings as hyper-parameters (`TrainConfig.to_flat()` and the session's resolved values under `resolved/`, nested
-values flattened with `/`) and, at the end, `report.json`'s summary under `summary/`. Trackers only read what the
-run wrote: they never change its numbers.
+Each tracker gets every numeric entry of each round's record (what `metrics.jsonl` holds, at step = round: the
+round's `cost/...` totals and `timing/...` seconds and memory among them), the settings as hyper-parameters
+(`TrainConfig.to_flat()` and the session's resolved values under `resolved/`, nested values flattened with `/`) and,
+at the end, `report.json`'s summary under `summary/` and its cost totals under `run_cost/` (not the rounds' `cost/`:
+TensorBoard would draw them as one more step). Trackers only read what the run wrote: they never change its numbers.
 
 One small class per backend behind `Tracker`; each backend's package is an optional extra (`peradapt[wandb]`, ...),
 imported when its tracker starts. `RUN/trackers.json` keeps what continues each tracker's run (TensorBoard: the
@@ -62,12 +63,18 @@ def _flattened(values: dict, prefix: str) -> dict[str, Any]:
 
 
 def numeric(record: dict, prefix: str = "") -> dict[str, float]:
-    """The numbers of a round record (or summary), but the round itself, which is the step."""
+    """The numbers of a round record (or the report's summary and cost), but the round itself, which is the step;
+    nested entries (a round's `cost` and `timing`) flattened with `/`. Lists (per client) are left to the files."""
     return {
-        prefix + key: float(value)
-        for key, value in record.items()
-        if key != "round" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        key: float(value)
+        for key, value in _flattened(record, prefix).items()
+        if key != prefix + "round" and isinstance(value, (int, float)) and not isinstance(value, bool)
     }
+
+
+def final_numbers(report: dict) -> dict[str, float]:
+    """What trackers get at the end: the report's summary and, where the run recorded them, its costs in total."""
+    return {**numeric(report["summary"], "summary/"), **numeric(report.get("cost", {}), "run_cost/")}
 
 
 class Tracker(Protocol):
@@ -119,7 +126,7 @@ class TensorBoardTracker:
         self.writer.flush()  # trackers.json says the round is logged right after
 
     def finish(self, report: dict) -> None:
-        for key, value in numeric(report["summary"], "summary/").items():
+        for key, value in final_numbers(report).items():
             self.writer.add_scalar(key, value, report["rounds"])
         self.writer.file_writer.add_summary(self.session_end)
         self.close()
@@ -155,7 +162,7 @@ class WandbTracker:
         self.run.log(numeric(record), step=record["round"])
 
     def finish(self, report: dict) -> None:
-        self.run.summary.update(numeric(report["summary"], "summary/"))
+        self.run.summary.update(final_numbers(report))
         self.run.finish()
         self.run = None
 
@@ -215,7 +222,7 @@ class MlflowTracker:
         self._log(numeric(record), record["round"])
 
     def finish(self, report: dict) -> None:
-        self._log(numeric(report["summary"], "summary/"), report["rounds"])
+        self._log(final_numbers(report), report["rounds"])
         self.client.set_terminated(self.run_id, "FINISHED")
         self.client = None
 

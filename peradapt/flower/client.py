@@ -71,7 +71,13 @@ def train(message: Message, context: Context) -> Message:
     content = RecordDict(
         {
             r.UPLOAD: r.to_record(update.upload),
-            r.UPDATE: ConfigRecord({r.NUM_SAMPLES: update.num_samples}),
+            r.UPDATE: ConfigRecord(
+                {
+                    r.NUM_SAMPLES: update.num_samples,
+                    r.SAMPLES_TRAINED: update.work.samples,
+                    r.SECONDS: update.work.seconds,
+                }
+            ),
             r.METRICS: MetricRecord({name: float(value) for name, value in update.metrics.items()}),
         }
     )

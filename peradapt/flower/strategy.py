@@ -8,13 +8,15 @@ One hook pair per step, named as Flower's strategies name theirs (`configure_*` 
 - train: each trained client's node (the sampled clients', or every client's for methods that train all) gets
   the client's payload (`Method.payload`: the global adapter, or MTL's model of its own) and plays the client's
   update; it answers with the upload (`ClientUpdate.upload`: the local adapter, APFL's w_m, a partial method's
-  shared part, ...), its sample count and its losses. `Method.server_update` then runs on the server, as in the
-  builtin engine.
+  shared part, ...), its sample count, its losses and its work (training samples and seconds, as `play_client`
+  measures them on the node). `Method.server_update` then runs on the server, as in the builtin engine.
 - personalized: for evaluation and export, a client's node gets the global adapter and answers with the adapter
   the client is evaluated with (`Method.personalized`), or names the global or initial adapter if it is one.
 
 Every array sent is counted, both ways, and reported for the round's record beside the size of the full model
-(the frozen backbone with its head), which full-model federated learning would send instead.
+(the frozen backbone with its head), which full-model federated learning would send instead. Counted as Flower
+sends them (`ArrayRecord.count_bytes`): each array's serialized bytes (NumPy's .npy format: the data and a header
+of about 128 bytes) and its name; the builtin engine counts the tensors' bytes alone (`costs.state_bytes`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from peradapt.adapters import AdapterState
+from peradapt.compute.costs import ClientWork
 from peradapt.errors import ConfigError
 from peradapt.federation.session import Session
 from peradapt.flower import records as r
@@ -99,8 +102,10 @@ class PeradaptStrategy:
             upload: ArrayRecord = content[r.UPLOAD]
             self._up[client] = upload.count_bytes()
             metrics = {name: float(value) for name, value in content[r.METRICS].items()}
-            num_samples = int(content[r.UPDATE][r.NUM_SAMPLES])
-            updates.append(ClientUpdate(client, r.from_record(upload, self.session.device), num_samples, metrics))
+            answer = content[r.UPDATE]
+            work = ClientWork(int(answer[r.SAMPLES_TRAINED]), float(answer[r.SECONDS]))  # as the node measured it
+            state = r.from_record(upload, self.session.device)
+            updates.append(ClientUpdate(client, state, int(answer[r.NUM_SAMPLES]), metrics, work))
         return updates
 
     # ------------------------------------------------------------ personalized adapters

@@ -69,6 +69,9 @@ class APFL(Method):
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         return self._local_steps(client, global_state, seed, train_w=True)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return 2 * self.local_samples(client)  # each minibatch: a gradient of w and one of the mixed model
+
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         """v_m (from v_m = w) and alpha_m learned by eqs. 7 and 10 against the final global w, which stays fixed."""
         self.store.put(client.client_id, LOCAL_KEY, global_state)

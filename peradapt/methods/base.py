@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from peradapt.adapters import AdapterState, average_states
+from peradapt.compute.costs import ClientWork, sgd_samples
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
 from peradapt.config import BUILT_IN, MethodConfig, MethodRegistry, check_method_settings
 from peradapt.config import METHODS as REGISTRY
@@ -36,6 +37,7 @@ class ClientUpdate:
     upload: AdapterState  # what the client sends to the server
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    work: ClientWork = field(default_factory=ClientWork)  # filled in by the engine, which measures the update
 
 
 @dataclass
@@ -184,6 +186,20 @@ class Method(ABC):
         trainable = self.trainer.model.num_trainable()
         return {"personalized": trainable, "trained": trainable, "communicated": trainable}
 
+    def client_samples_bound(self, client: ClientData) -> int | None:
+        """The most training samples (`ClientWork.samples`) one `client_update` of `client` processes, for the
+        up-front check of --budget; None: not known before it runs (a method of its own that does not say), and
+        the budget is then not checked. Exact for local SGD by epochs or steps, at least the count otherwise."""
+        return None
+
+    def sgd_samples(self, client: ClientData, epochs: int, steps: int | None = None) -> int:
+        """The training samples of `epochs` passes over the client's training data, or of `steps` minibatches."""
+        return sgd_samples(len(client.train), self.trainer.batch_size, epochs=epochs, steps=steps)
+
+    def local_samples(self, client: ClientData) -> int:
+        """The training samples of `local_job`: E = --local-epochs passes, or --local-steps minibatches."""
+        return self.sgd_samples(client, self.config.local_epochs, self.config.local_steps)
+
 
 ClientSteps = Generator[SGDJob, SGDResult, ClientUpdate]
 
@@ -219,6 +235,10 @@ class ProximalPersonalization(LocalSGDMethod):
         self.store.put(client.client_id, PERSONAL_KEY, global_state)
         personal, _ = self.trainer.run_steps(self.proximal_personal_steps(client, global_state, seed))
         return personal
+
+    def personal_samples(self, client: ClientData) -> int:
+        """The training samples of `proximal_personal_steps`: S = --personal-epochs passes."""
+        return self.sgd_samples(client, self.config.personal_epochs)
 
     def stored_personal(self, client_id: int) -> AdapterState:
         """The client's personalized state, or the initial one for a client that was never sampled."""

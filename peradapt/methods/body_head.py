@@ -115,6 +115,9 @@ class FedBABU(FineTuning, PartialSGD):
         state, metrics = yield from self.local_steps(global_state, client.train, seed)
         return ClientUpdate(client.client_id, subset(state, self.shared), len(client.train), metrics)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
+
     def parameter_counts(self) -> dict[str, int]:
         """The body is sent; fine-tuning personalizes, and trains, the whole model."""
         parameters = self.trainer.model.trainable_parameters()

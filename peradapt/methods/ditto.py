@@ -37,6 +37,9 @@ class Ditto(ProximalPersonalization):
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client) + self.personal_samples(client)
+
     def parameter_counts(self) -> dict[str, int]:
         model = self.trainer.model.num_trainable()
         return {"personalized": model, "trained": 2 * model, "communicated": model}  # v_m and w_m

@@ -109,6 +109,10 @@ class FedALA(LocalSGDMethod):
         metrics = {"local_loss": loss, "ala_epochs": float(ala_epochs)}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        """E epochs, and at most MAX_START_EPOCHS of ALA on its sample (one from the client's second round on)."""
+        return MAX_START_EPOCHS * self.sample_size(client.train) + self.local_samples(client)
+
     def adaptive_local_aggregation(
         self, client: ClientData, global_state: AdapterState, seed: int
     ) -> tuple[AdapterState, Tensors | None, int]:
@@ -149,9 +153,11 @@ class FedALA(LocalSGDMethod):
 
     def sample(self, data: ImageSet, seed: int) -> ImageSet:
         """s% of the client's training samples, drawn afresh every round (Algorithm 1, line 6)."""
-        count = max(1, int(self.settings.ala_sample / 100 * len(data)))
         generator = torch.Generator().manual_seed(derive_seed(seed, ALA))
-        return data.subset(torch.randperm(len(data), generator=generator)[:count])
+        return data.subset(torch.randperm(len(data), generator=generator)[: self.sample_size(data)])
+
+    def sample_size(self, data: ImageSet) -> int:
+        return max(1, int(self.settings.ala_sample / 100 * len(data)))
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """Θ_i: the local model after the client's last round (Θ^0 before its first)."""

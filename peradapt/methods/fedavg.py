@@ -44,6 +44,9 @@ class FedAvg(LocalSGDMethod):
         local, loss = yield self.local_job(client, global_state, seed)
         return ClientUpdate(client.client_id, local, len(client.train), {"local_loss": loss})
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
+
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return global_state
 

@@ -52,6 +52,9 @@ class FedProx(ProximalPersonalization):
         personal, loss = yield from self.proximal_personal_steps(client, global_state, seed)
         return ClientUpdate(client.client_id, personal, len(client.train), {"personal_loss": loss})
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.personal_samples(client)
+
     def server_update(
         self,
         global_state: AdapterState,

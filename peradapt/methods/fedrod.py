@@ -101,6 +101,9 @@ class FedRoD(PartialModel):
         state, metrics = self.trainer.descend(job, self.risks(client.train))
         return self.kept_and_sent(client, state, metrics)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
+
     def risks(self, data: ImageSet) -> Objective:
         """L_BR and L_ER of a minibatch (module docstring), logged as local_loss and personal_loss."""
         model, inputs = self.trainer.model, self.trainer.inputs

@@ -152,6 +152,9 @@ class MTL(LocalSGDMethod):
         self.store.put(client.client_id, PERSONAL_KEY, own)
         return ClientUpdate(client.client_id, own, len(client.train), {"local_loss": loss})
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
+
     def server_update(
         self,
         global_state: AdapterState,

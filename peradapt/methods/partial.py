@@ -229,6 +229,12 @@ class FedAlt(PartialSGD):
         )
         return state, {"personal_loss": personal_loss, "local_loss": local_loss}
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        config = self.config
+        return self.sgd_samples(client, config.personal_epochs) + self.sgd_samples(
+            client, self.shared_epochs, config.local_steps
+        )
+
 
 @register
 class FedSim(PartialSGD):
@@ -247,6 +253,9 @@ class FedSim(PartialSGD):
             seed=derive_seed(seed, LOCAL),
         )
         return state, {"local_loss": loss}
+
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
 
 
 @register

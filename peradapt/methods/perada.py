@@ -84,6 +84,9 @@ class PerAda(ProximalPersonalization):
         metrics = {"personal_loss": personal_loss, "local_loss": local_loss}
         return ClientUpdate(client.client_id, local, len(client.train), metrics)
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.personal_samples(client) + self.local_samples(client)
+
     def server_update(
         self,
         global_state: AdapterState,

@@ -85,20 +85,25 @@ class PerFedAvg(FedAvgFT):
     settings: PerFedAvgSettings
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        config, trainer = self.config, self.trainer
-        per_step = VARIANTS[self.settings.perfedavg_variant]
+        trainer, per_step = self.trainer, VARIANTS[self.settings.perfedavg_variant]
         trainer.model.load_state(global_state)  # w_{k+1,0} = w_k
         trainer.model.train()
-        batches = trainer.minibatches(
-            client.train,
-            epochs=per_step * config.local_epochs,
-            steps=None if config.local_steps is None else per_step * config.local_steps,
-            seed=derive_seed(seed, LOCAL),
-        )
+        epochs, steps = self.minibatch_count()
+        batches = trainer.minibatches(client.train, epochs=epochs, steps=steps, seed=derive_seed(seed, LOCAL))
         local_steps = zip(*[batches] * per_step, strict=False)  # consecutive minibatches: (D, D') or (D, D', D'')
         losses = [self.local_step(list(step)) for step in local_steps]
         metrics = {"local_loss": sum(losses) / max(len(losses), 1)}
         return ClientUpdate(client.client_id, trainer.model.state(), len(client.train), metrics)
+
+    def minibatch_count(self) -> tuple[int, int | None]:
+        """The epochs and steps of the client's minibatches: k per local step."""
+        per_step, steps = VARIANTS[self.settings.perfedavg_variant], self.config.local_steps
+        return per_step * self.config.local_epochs, None if steps is None else per_step * steps
+
+    def client_samples_bound(self, client: ClientData) -> int:
+        """A gradient on each minibatch, two on D'' for hf (exact's Hessian-vector product counts as one)."""
+        gradients = 2 if self.settings.perfedavg_variant == "hf" else 1
+        return gradients * self.sgd_samples(client, *self.minibatch_count())
 
     def local_step(self, batches: list[Batch]) -> float:
         """One local step t (Algorithm 1, lines 8-10) of the loaded model on D, D' (and D''); returns f(w; D)."""

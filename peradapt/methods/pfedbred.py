@@ -109,6 +109,12 @@ class PFedBreD(PFedMe):
         self.store.put(client.client_id, MEMORY_KEY, update.upload)
         return update
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        """At most K + 1 gradients on each minibatch: the prior's (none for meg; mh-code's two on the step's two
+        minibatches), then K inner steps on the last."""
+        per_step = 2 if self.settings.prior == CODE_PRIOR else 1
+        return (self.settings.inner_steps + 1) * self.sgd_samples(client, *self.minibatch_count(per_step))
+
     def prior_mean(self, local: Tensors, memory: AdapterState, batches: Sequence[Batch]) -> Tensors:
         """mu_r = w_{r-1} - eta * grad Phi_i(w_{r-1}) (Eq. 14) from w_{r-1} = `local`, with theta_{r-1} loaded in
         the model, which holds theta_{r-1} again afterwards; mh-code: `look_ahead_prior_mean`."""

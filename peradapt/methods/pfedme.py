@@ -92,13 +92,17 @@ class PFedMe(Method):
     def minibatches(self, client: ClientData, seed: int, per_step: int = 1) -> Iterator[Batch]:
         """The minibatches of R local steps of `per_step` minibatches each: R = --local-steps, or by default as many
         local steps as --local-epochs passes have minibatches."""
+        epochs, steps = self.minibatch_count(per_step)
+        return self.trainer.minibatches(client.train, epochs=epochs, steps=steps, seed=derive_seed(seed, LOCAL))
+
+    def minibatch_count(self, per_step: int) -> tuple[int, int | None]:
+        """The epochs and steps of `minibatches`."""
         steps = self.config.local_steps
-        return self.trainer.minibatches(
-            client.train,
-            epochs=per_step * self.config.local_epochs,
-            steps=None if steps is None else per_step * steps,
-            seed=derive_seed(seed, LOCAL),
-        )
+        return per_step * self.config.local_epochs, None if steps is None else per_step * steps
+
+    def client_samples_bound(self, client: ClientData) -> int:
+        """K gradients on each minibatch."""
+        return self.settings.inner_steps * self.sgd_samples(client, *self.minibatch_count(1))
 
     def inner_steps(self, images: torch.Tensor, labels: torch.Tensor, anchor: Tensors) -> list[float]:
         """theta ~= argmin f(theta; batch) + lam/2 ||theta - anchor||^2: K gradient steps on the loaded model."""

@@ -33,6 +33,9 @@ class Standalone(LocalSGDMethod):
         self.store.put(client.client_id, OWN_KEY, own)
         return ClientUpdate(client.client_id, {}, len(client.train), {"local_loss": loss})
 
+    def client_samples_bound(self, client: ClientData) -> int:
+        return self.local_samples(client)
+
     def server_update(
         self,
         global_state: AdapterState,

@@ -32,6 +32,17 @@ REPORT = {
     "global": {"local_test": STATS, "global_test": float},
     "summary": {str: float},
     "privacy?": {"epsilon": {"mean": float, "std": float, "max": float, "per_client": [float]}},
+    # runs from before costs were recorded lack it (see `engine.cost_report`; its "timing" is not read back)
+    "cost?": {
+        "rounds_played": int,
+        "bytes_down": int,
+        "bytes_up": int,
+        "client_samples": int,
+        "client_flops": int,
+        "training_flops_per_sample": int,
+        "parameters": {str: int},
+        "budget": object,  # null, or {"client_samples": N, "reached": true or false}
+    },
 }
 # partition.json (see `data.federation.build_federation`): what `info` and a reopened session read
 PARTITION = {
@@ -64,6 +75,18 @@ ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics
     "global_local_test?": float,
     "personalized_global_test?": float,
     "global_global_test?": float,
+    # the traffic and work of the round (`engine._run_rounds`); rounds from before costs were recorded lack them
+    "bytes_down?": [int],
+    "bytes_up?": [int],
+    "client_samples?": [int],
+    "cost?": {"bytes_down": int, "bytes_up": int, "client_samples": int, "client_flops": int},
+    "timing?": {
+        "client_seconds": float,
+        "aggregation_seconds": float,
+        "distillation_seconds": float,
+        "peak_rss_bytes": int,
+        "peak_cuda_bytes?": int,
+    },
 }
 
 

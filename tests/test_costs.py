@@ -1,0 +1,244 @@
+"""Cost accounting (issue 28): bytes sent, client training samples and FLOPs, seconds and memory in every run, and
+--budget client-samples:N, checked against hand counts on tiny models and runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from peradapt.compute.costs import sgd_samples, state_bytes, training_flops
+from peradapt.evaluation.plots import plot_accuracy_vs_cost
+from peradapt.federation.session import build_session
+from peradapt.federation.tracking import numeric
+from peradapt.rundir.layout import read_partition, read_run_config
+
+from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, tiny_args
+
+ROUNDS = 2
+METHODS = ("perada", "fedrep", "apfl", "pfedme", "fedavg")
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def report(run: Path) -> dict:
+    return json.loads((run / "report.json").read_text())
+
+
+def session_of(run: Path):
+    config, _ = read_run_config(run)
+    return build_session(config, read_partition(run))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pretrained_home, fmnist_dir) -> dict[str, Path]:
+    """A tiny run of each method, of --rounds 2; perada once more with --concurrent-clients 2."""
+    root = tmp_path_factory.mktemp("costs")
+    made = {}
+    for name, extra in [*((m, ("--method", m)) for m in METHODS), ("concurrent", ("--concurrent-clients", "2"))]:
+        made[name] = root / name
+        run_main(tiny_args(fmnist_dir, made[name], "--rounds", str(ROUNDS), *extra), pretrained_home)
+    return made
+
+
+# ---------------------------------------------------------------- the counting functions, by hand
+
+
+def test_sgd_samples_are_epochs_of_the_data_or_the_batches_of_the_steps():
+    assert sgd_samples(10, 4, epochs=3) == 30
+    # 9 samples in batches of 4: [4, 5] (a last batch of one joins the one before); 3 steps: 4 + 5, then 4
+    assert sgd_samples(9, 4, epochs=1, steps=3) == 13
+    assert sgd_samples(8, 4, epochs=1, steps=5) == 20
+    assert sgd_samples(0, 4, epochs=2, steps=3) == 0
+
+
+def test_state_bytes_are_each_tensors_elements_times_their_size():
+    state = {
+        "a": torch.zeros(3, 4),  # float32: 12 × 4
+        "b": torch.zeros(5, dtype=torch.float16),  # 5 × 2
+        "n": torch.tensor(7),  # an int64 counter: 8
+    }
+    assert state_bytes(state) == 48 + 10 + 8
+
+
+def test_training_flops_of_linear_layers_are_the_hand_count():
+    torch.manual_seed(0)
+    inputs = torch.randn(2, 6)
+    linear = nn.Linear(6, 5)
+    # forward 2·in·out a sample, the weight's gradient as much again; no input gradient (the input does not train)
+    assert training_flops(linear, inputs, linear.parameters()) == 4 * 6 * 5
+    frozen_first = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    frozen_first[0].requires_grad_(False)
+    # the frozen layer runs forward only: no weight gradient, and nothing below the trained layer needs a gradient
+    assert training_flops(frozen_first, inputs, frozen_first.parameters()) == 2 * 6 * 4 + 4 * 4 * 3
+    trained_first = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    trained_first[2].requires_grad_(False)
+    # the frozen top layer passes the gradient down (2·4·3) to the trained first one
+    assert training_flops(trained_first, inputs, trained_first.parameters()) == 4 * 6 * 4 + 2 * 4 * 3 + 2 * 4 * 3
+
+
+def test_training_flops_of_a_convolution_are_the_hand_count():
+    conv = nn.Conv2d(3, 4, kernel_size=3)  # 8×8 in, 6×6 out: 2·(3·3·3)·4 per output pixel, both ways
+    inputs = torch.randn(2, 3, 8, 8)
+    assert training_flops(conv, inputs, conv.parameters()) == 2 * (2 * 27 * 4 * 36)
+
+
+# ---------------------------------------------------------------- what a run records
+
+
+def test_bytes_are_the_tensors_each_method_sends(runs, home):
+    for name in ("perada", "fedrep"):
+        session = session_of(runs[name])
+        full = sum(t.numel() * t.element_size() for t in session.initial.values())  # the global adapter
+        shared = getattr(session.method, "shared", session.initial)  # fedrep sends its body only
+        sent = sum(session.initial[k].numel() * session.initial[k].element_size() for k in shared)
+        for record in records(runs[name]):
+            assert record["bytes_down"] == [full] * len(record["clients"])
+            assert record["bytes_up"] == [sent] * len(record["clients"])
+            assert record["cost"]["bytes_down"] == full * len(record["clients"])
+            assert record["cost"]["bytes_up"] == sent * len(record["clients"])
+    fedrep_up = records(runs["fedrep"])[0]["bytes_up"][0]
+    assert fedrep_up < records(runs["fedrep"])[0]["bytes_down"][0]  # the head stays on the client
+    cost = report(runs["fedrep"])["cost"]
+    assert cost["bytes_up"] == ROUNDS * 2 * fedrep_up and cost["bytes_up_per_client_round"] == fedrep_up
+    assert (
+        cost["parameters"] == json.loads((runs["fedrep"] / "config.json").read_text())["resolved"]["parameter_counts"]
+    )
+
+
+def test_client_samples_are_the_hand_count_and_the_bound_is_exact(runs, home):
+    # (personal + local) epochs for perada, head then body for fedrep, w and the mixed model for apfl, K = 3 inner
+    # steps per minibatch for pfedme: each a pass over the client's training images (1 epoch each here)
+    passes = {"perada": 2, "fedrep": 2, "apfl": 2, "pfedme": 3, "fedavg": 1}
+    for name, count in passes.items():
+        session = session_of(runs[name])
+        for record in records(runs[name]):
+            trained = list(range(4)) if "trained_clients" in record else record["clients"]  # pfedme: every client
+            sizes = [len(session.data.clients[c].train) for c in trained]
+            assert record["client_samples"] == [count * size for size in sizes], name
+            bounds = [session.method.client_samples_bound(session.data.clients[c]) for c in trained]
+            assert record["client_samples"] == bounds, name
+            assert record["cost"]["client_samples"] == sum(record["client_samples"])
+        cost = report(runs[name])["cost"]
+        assert cost["client_samples"] == sum(sum(r["client_samples"]) for r in records(runs[name]))
+        assert cost["client_flops"] == cost["client_samples"] * cost["training_flops_per_sample"] > 0
+
+
+def test_clients_trained_together_count_the_same_work(runs):
+    alone, together = records(runs["perada"]), records(runs["concurrent"])
+    for one, other in zip(alone, together, strict=True):
+        assert other["client_samples"] == one["client_samples"]
+        assert other["cost"] == one["cost"]
+
+
+def test_seconds_and_memory_are_recorded_apart_from_the_counts(runs):
+    for record in records(runs["perada"]):
+        timing = record["timing"]
+        assert set(timing) == {"client_seconds", "aggregation_seconds", "distillation_seconds", "peak_rss_bytes"}
+        assert all(value >= 0 for value in timing.values())
+        assert timing["distillation_seconds"] > 0 and timing["peak_rss_bytes"] > 0  # perada distills every round
+    assert all(r["timing"]["distillation_seconds"] == 0 for r in records(runs["fedavg"]))
+    cost = report(runs["perada"])["cost"]
+    assert cost["rounds_played"] == ROUNDS and cost["budget"] is None
+    assert cost["timing"]["peak_cuda_bytes"] is None  # on CPU
+    assert cost["timing"]["client_seconds"] == pytest.approx(
+        sum(r["timing"]["client_seconds"] for r in records(runs["perada"]))
+    )
+
+
+def test_trackers_get_the_rounds_costs_and_timing_flattened():
+    record = {
+        "round": 2,
+        "local_loss": 0.5,
+        "bytes_up": [10, 20],  # per client: left to metrics.jsonl
+        "cost": {"bytes_up": 30, "client_flops": 1000},
+        "timing": {"client_seconds": 1.5, "peak_rss_bytes": 4096},
+    }
+    assert numeric(record) == {
+        "local_loss": 0.5,
+        "cost/bytes_up": 30.0,
+        "cost/client_flops": 1000.0,
+        "timing/client_seconds": 1.5,
+        "timing/peak_rss_bytes": 4096.0,
+    }
+
+
+# ---------------------------------------------------------------- --budget client-samples:N
+
+
+@pytest.fixture(scope="module")
+def budget(runs) -> int:
+    """A budget that fedavg's round 1 does not reach and round 2 does: the run stops after 2 of its 3 rounds."""
+    return records(runs["fedavg"])[0]["cost"]["client_samples"] + 1
+
+
+def test_the_budget_stops_the_run_after_the_round_that_reaches_it(
+    budget, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    run = tmp_path / "budget"
+    args = tiny_args(fmnist_dir, run, "--method", "fedavg", "--budget", f"client-samples:{budget}")  # --rounds 3
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    assert "reached after round 2" in err
+    assert [r["round"] for r in records(run)] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-00002.safetensors"]
+    finished = report(run)
+    assert finished["rounds"] == 2 and "fedavg on fmnist, 4 clients, 2 rounds" in out
+    assert finished["cost"]["budget"] == {"client_samples": budget, "reached": True}
+    assert finished["cost"]["client_samples"] >= budget
+    assert f"--budget client-samples:{budget} reached in 2 rounds" in out and "client training samples" in out
+
+    # killed after the round that reached the budget, before report.json: --resume ends with the same files
+    crashed = tmp_path / "crashed"
+    crash_after_round(
+        2,
+        tiny_args(fmnist_dir, crashed, "--method", "fedavg", "--budget", f"client-samples:{budget}"),
+        capsys,
+        monkeypatch,
+    )
+    assert not (crashed / "report.json").exists()
+    code, _, err = run_cli(tiny_args(fmnist_dir, crashed, "--resume"), capsys, monkeypatch)
+    assert code == 0, err
+    assert results(crashed) == results(run)
+
+
+def test_a_budget_no_round_can_reach_is_refused_before_anything_is_written(
+    tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    run = tmp_path / "never"
+    # fedavg on the 2 largest of 4 clients, 1 epoch, 3 rounds: far fewer than a million samples
+    args = tiny_args(fmnist_dir, run, "--method", "fedavg", "--budget", "client-samples:1000000")
+    expect_refusal(
+        args, capsys, monkeypatch, "--budget client-samples:1000000 cannot be reached", "--rounds", untouched=run
+    )
+
+
+# ---------------------------------------------------------------- peradapt report
+
+
+def test_report_plots_accuracy_against_cost(runs, tmp_path, capsys, monkeypatch, home):
+    out = tmp_path / "reports"
+    code, printed, err = run_cli(
+        ["report", str(runs["perada"]), str(runs["fedrep"]), "--out", str(out)], capsys, monkeypatch
+    )
+    assert code == 0, err
+    assert f"written {out / 'accuracy_vs_cost.png'}" in printed.replace("\n", "")
+    with Image.open(out / "accuracy_vs_cost.png") as image:
+        assert image.format == "PNG" and image.size == (1300, 480)
+        drawn = np.asarray(image.convert("RGB"))
+    for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # a point of each method's colour
+        assert (np.abs(drawn.astype(int) - colour).sum(axis=2) < 30).any()
+
+
+def test_the_cost_plot_takes_plain_points(tmp_path):
+    panels = [("bytes", [("a", 1e3, 50.0), ("b", 1e6, 60.0)]), ("samples", [("a", 0.0, 50.0), ("b", 5.0, 60.0)])]
+    path = plot_accuracy_vs_cost(panels, "accuracy %", tmp_path / "cost.png")
+    with Image.open(path) as image:
+        assert image.format == "PNG"
