@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from peradapt.errors import ConfigError, PeradaptError
 from peradapt.progress import counted
-from peradapt.settings import NoSettings, Setting, declared_settings, markdown_table, setting
+from peradapt.settings import NoSettings, Search, Setting, check_search, declared_settings, markdown_table, setting
 
 # BatchNorm in training mode normalizes a batch by its own statistics, which one sample has not: client minibatches
 # (and distillation batches under --kd-mode train) hold 2 samples or more.
@@ -44,6 +44,13 @@ IN_MEMORY = "the data is held in memory at that size"
 # clients already make a 565 MB checkpoint per round, more than the disk store's cost of one small file read and
 # written per sampled client. Up to here a run directory keeps the plain layout of small federations.
 DISK_STORE_ABOVE = 100
+
+# `compare --tune`'s ranges of the shared settings, from PerAda's hyper-parameter grids (Xie et al., CVPR 2024,
+# Appendix A.2), which every compared method was tuned over: the client learning rate from {5e-4, 1e-3, 5e-3, 1e-2}
+# (CIFAR-10, CheXpert) and up to 5e-2 (Office-Home), the server's (distillation) learning rate from {1e-5, 1e-4, 1e-3,
+# 1e-2}, and λ from {0.1, 1} for PerAda, Ditto and pFedMe alike (after Ditto). The authors' λ is half of peradapt's
+# (methods/perada.py: their λ = 1 is `--lam 2`), so the range reaches 2.
+CLIENT_LR_SEARCH = Search.log(5e-4, 5e-2)
 
 # The help panels of `peradapt train --help`, in order; each method's own settings follow under "Method: NAME".
 DATA = "Data"
@@ -474,6 +481,7 @@ class MethodConfig:
         symbol="λ",
         auto="lam_auto",
         metavar="FLOAT|auto",
+        search=Search.log(0.1, 2.0),  # PerAda A.2, in peradapt's λ (CLIENT_LR_SEARCH's note)
     )
     lam_auto: bool = setting(
         False,
@@ -482,7 +490,13 @@ class MethodConfig:
         flag=False,
     )
     lr: float = setting(
-        0.01, help="Client SGD learning rate.", group=METHOD, minimum=0.0, exclusive_minimum=True, symbol="η"
+        0.01,
+        help="Client SGD learning rate.",
+        group=METHOD,
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="η",
+        search=CLIENT_LR_SEARCH,
     )
     personal_lr: float | None = setting(
         None,
@@ -492,6 +506,7 @@ class MethodConfig:
         exclusive_minimum=True,
         shown_default="--lr",
         symbol="η_p",
+        search=CLIENT_LR_SEARCH,  # a client learning rate too: PerAda's grid (A.2) for the personal steps
     )
     batch_size: int = setting(
         64,
@@ -532,7 +547,12 @@ class DistillConfig:
     kd_steps: int = setting(500, help="Distillation steps R per round.", group=DISTILLATION, minimum=0, symbol="R")
     kd_batch_size: int = setting(2048, help="Distillation batch size.", group=DISTILLATION, minimum=1)
     server_lr: float = setting(
-        1e-3, help="Distillation Adam learning rate.", group=DISTILLATION, minimum=0.0, exclusive_minimum=True
+        1e-3,
+        help="Distillation Adam learning rate.",
+        group=DISTILLATION,
+        minimum=0.0,
+        exclusive_minimum=True,
+        search=Search.log(1e-5, 1e-2),  # PerAda A.2's grid of the server learning rate
     )
     kd_temperature: float = setting(
         1.0,
@@ -540,6 +560,9 @@ class DistillConfig:
         group=DISTILLATION,
         minimum=MIN_KD_TEMPERATURE,
         why="the distillation loss is scaled by its square, which float32 cannot hold below that",
+        # PerAda and FedDF distill at T = 1 and tune no T; Hinton et al. (2015), who introduced it, distill at T
+        # from 1 to 20
+        search=Search.log(1.0, 20.0),
     )
     kd_eval_every: int = setting(
         0,
@@ -889,6 +912,30 @@ def find_setting(key: str) -> Setting | None:
 def setting_owners(key: str) -> list[str]:
     """The registered methods that take method setting `key`, in registration order."""
     return [method for method in METHODS if any(d.name == key for d in declared_settings(settings_class_of(method)))]
+
+
+def search_space(method: str) -> dict[str, Setting]:
+    """What `compare --tune` searches for registered method `method`, by key: --lr, which every method trains its
+    clients at, the shared settings its update rules read besides (`Method.tunes`, with the method's own range where
+    its paper searches another), the distillation settings with a search if it distills (`uses_distillation`), and
+    its own settings declared with a search. Each declaration's `search` is the range tried."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown --method '{method}': use one of {', '.join(METHODS)}")
+    cls = METHODS[method]
+    shared: dict[str, Search | None] = {"lr": None, **cls.tunes}
+    if cls.uses_distillation:
+        shared.update({declared.name: None for declared in declared_settings(DistillConfig) if declared.search})
+    space: dict[str, Setting] = {}
+    for key, search in shared.items():
+        if key not in _SHARED:
+            raise TypeError(f"{cls.__qualname__}.tunes: {key} is no shared setting")
+        declared = _SHARED[key][1] if search is None else dataclasses.replace(_SHARED[key][1], search=search)
+        check_search(declared, f"{cls.__qualname__}.tunes[{key!r}]")
+        if declared.search is None:
+            raise TypeError(f"{cls.__qualname__}.tunes: {key} has no search declared; give it one")
+        space[key] = declared
+    own = declared_settings(cls.settings_class)
+    return {**space, **{declared.name: declared for declared in own if declared.search is not None}}
 
 
 def settings_for_method(values: dict[str, Any], method: str) -> dict[str, Any]:

@@ -3,10 +3,11 @@
 A setting's flat key is its field name (the flag is `--the-name-with-dashes`, the config-file key the name with
 either), its type the field's annotation (bool, int, float or str, optionally `| None`), its default the field's.
 `setting()` adds the rest in the field's metadata: the help text, the help panel (`group`), inclusive or exclusive
-bounds or a list of choices, why a bound is where it is, a metavar, what a `None` default means, and the paper's
-symbol. From that one declaration come the `train` command's flags and their help panels (`peradapt.cli`), the keys
-of config files and of a run's config.json and their checks (`peradapt.config`), `peradapt info --preset`,
-`peradapt methods` and the table in docs/SETTINGS.md.
+bounds or a list of choices, why a bound is where it is, a metavar, what a `None` default means, the paper's
+symbol, and the range `compare --tune` searches it over (`Search`). From that one declaration come the `train`
+command's flags and their help panels (`peradapt.cli`), the keys of config files and of a run's config.json and
+their checks (`peradapt.config`), the search spaces of `peradapt.tuning`, `peradapt info --preset`, `peradapt
+methods` and the table in docs/SETTINGS.md.
 
 Why dataclasses and click (through Typer) rather than pydantic: the configs already are dataclasses that library
 code reads as plain attributes (`config.method.lam`), and `field(metadata=...)` is the standard library's place for
@@ -37,6 +38,48 @@ _METADATA_KEY = "peradapt.setting"
 
 
 @dataclass(frozen=True)
+class Search:
+    """The values `compare --tune` tries for a setting: a range of numbers, uniform or log-uniform (`log`, `uniform`),
+    a range of whole numbers (`integers`) or a list of values (`choices`). `peradapt.tuning` hands it to Optuna's
+    sampler as the matching distribution; the declaration checks that it lies within the setting's own bounds."""
+
+    low: float | None = None
+    high: float | None = None
+    log_scale: bool = False  # sampled uniformly in log space: learning rates, strengths spanning decades
+    integer: bool = False
+    values: tuple[Any, ...] = ()  # a list to choose from (then no low and high)
+
+    @classmethod
+    def log(cls, low: float, high: float) -> Search:
+        return cls(low, high, log_scale=True)
+
+    @classmethod
+    def uniform(cls, low: float, high: float) -> Search:
+        return cls(low, high)
+
+    @classmethod
+    def integers(cls, low: int, high: int) -> Search:
+        return cls(low, high, integer=True)
+
+    @classmethod
+    def choices(cls, *values: Any) -> Search:
+        return cls(values=values)
+
+    def text(self) -> str:
+        """As a table shows it: "log [0.0005, 0.05]", "[0.1, 0.7]", "1, 2, ... 5", "one of 0.7, 0.9"."""
+        if self.values:
+            return "one of " + ", ".join(map(str, self.values))
+        assert self.low is not None and self.high is not None
+        if self.integer:
+            return f"{_number(self.low)}, ..., {_number(self.high)}"
+        return f"{'log ' if self.log_scale else ''}[{_number(self.low)}, {_number(self.high)}]"
+
+    def ends(self) -> tuple[Any, ...]:
+        """The values that bound it: both ends of a range, every value of a list."""
+        return self.values or (self.low, self.high)
+
+
+@dataclass(frozen=True)
 class Setting:
     """One setting as declared (`setting`), with the name, type and default of its field."""
 
@@ -55,6 +98,7 @@ class Setting:
     repeatable: bool = False  # the flag may be given several times; a list is joined with commas
     auto: str | None = None  # the value may be the word `auto`, which sets this bool setting instead
     check: Callable[[Any], object] | None = None  # a rule of this setting's own that bounds/choices cannot say
+    search: Search | None = None  # what `compare --tune` tries; None: the setting is not tuned
     name: str = ""
     type: str = ""  # "int", "float | None", ...
     default: Any = None
@@ -199,6 +243,7 @@ def setting(
     repeatable: bool = False,
     auto: str | None = None,
     check: Callable[[Any], object] | None = None,
+    search: Search | None = None,
 ) -> Any:
     """A dataclass field that declares a setting (see `Setting` for what each argument means)."""
     declaration = Setting(
@@ -217,6 +262,7 @@ def setting(
         repeatable=repeatable,
         auto=auto,
         check=check,
+        search=search,
     )
     return dataclasses.field(default=default, metadata={_METADATA_KEY: declaration})
 
@@ -233,8 +279,32 @@ def declared_settings(cls: type) -> tuple[Setting, ...]:
         kind = _type_name(hints[field.name])
         if kind.removesuffix(" | None") not in TYPES:
             raise TypeError(f"setting {cls.__name__}.{field.name}: type {kind} is not one of {', '.join(TYPES)}")
-        found.append(dataclasses.replace(declaration, name=field.name, type=kind, default=field.default))
+        declared = dataclasses.replace(declaration, name=field.name, type=kind, default=field.default)
+        check_search(declared, f"setting {cls.__name__}.{field.name}")
+        found.append(declared)
     return tuple(found)
+
+
+def check_search(declared: Setting, where: str) -> None:
+    """Refuse a search that `declared` cannot take (TypeError, a mistake of the declaration, said where it is): a
+    range for a setting that is no number, real numbers for an int setting, a log range reaching 0, an empty range,
+    or an end or value outside the setting's bounds and choices."""
+    search = declared.search
+    if search is None:
+        return
+    kind = declared.base_type
+    if not search.values:
+        takes = {"int": "Search.integers", "float": "Search.log or Search.uniform"}.get(kind, "Search.choices")
+        if kind not in ("int", "float") or (kind == "int") != search.integer:
+            raise TypeError(f"{where}: {declared.type} settings are searched with {takes}")
+        assert search.low is not None and search.high is not None
+        if not search.low < search.high or (search.log_scale and search.low <= 0):
+            raise TypeError(f"{where}: the search range {search.text()} is empty or reaches 0 on a log scale")
+    for value in search.ends():
+        try:
+            declared.validate(declared.coerce(value))
+        except ConfigError as error:
+            raise TypeError(f"{where}: the search {search.text()} leaves the setting's own values: {error}") from None
 
 
 def validate_settings(instance: Any) -> None:
@@ -244,12 +314,16 @@ def validate_settings(instance: Any) -> None:
 
 
 def markdown_table(rows: Iterable[tuple[Setting, str]]) -> str:
-    """A Markdown table of settings with the help panel each is shown in: flag, type, default, values taken, panel,
-    help, symbol."""
-    lines = ["| flag | type | default | values | panel | help | symbol |", "|---|---|---|---|---|---|---|"]
+    """A Markdown table of settings with the help panel each is shown in: flag, type, default, values taken, what
+    `compare --tune` tries, panel, help, symbol."""
+    lines = [
+        "| flag | type | default | values | tuned over | panel | help | symbol |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for d, panel in rows:
         cells = [f"`{d.flag_name}`" if d.flag else f"(`{d.name}`, no flag)"]
-        cells += [d.type, d.default_text(), d.allowed(), panel, d.help_text(), d.symbol]
+        cells += [d.type, d.default_text(), d.allowed(), d.search.text() if d.search else "", panel, d.help_text()]
+        cells.append(d.symbol)
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 

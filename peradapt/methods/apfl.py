@@ -39,7 +39,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientUpdate, Method, register
 from peradapt.seeds import LOCAL, derive_seed
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 LOCAL_KEY = "local"  # v_m
 ALPHA_KEY = "alpha"  # {"alpha": alpha_m}, a 0-d float64 tensor
@@ -47,7 +47,14 @@ ALPHA_KEY = "alpha"  # {"alpha": alpha_m}, a 0-d float64 tensor
 
 @dataclass
 class APFLSettings:
-    apfl_alpha: float = setting(0.5, help="APFL initial mixing weight α.", minimum=0.0, maximum=1.0, symbol="α_m^(0)")
+    apfl_alpha: float = setting(
+        0.5,
+        help="APFL initial mixing weight α.",
+        minimum=0.0,
+        maximum=1.0,
+        symbol="α_m^(0)",
+        search=Search.uniform(0.1, 0.7),  # PerAda A.2 selects it from {0.1, 0.3, 0.5, 0.7}
+    )
     alpha_lr: float | None = setting(
         None,
         help="APFL step size of α (0: α stays fixed).",

@@ -10,7 +10,7 @@ lives in the `ClientStore`, so methods stay stateless between calls apart from w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
-from peradapt.settings import NoSettings, setting, validate_settings
+from peradapt.settings import NoSettings, Search, setting, validate_settings
 
 PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
 
@@ -83,6 +83,10 @@ class Method(ABC):
     # Its paper trains every federated client each round and aggregates only the sample (pFedMe, pFedBreD
     # Algorithm 1): `clients_to_train` returns them all unless --train-clients sampled; the others refuse "all".
     trains_all_clients: ClassVar[bool] = False
+    # The shared settings besides --lr that its update rules read, which `compare --tune` searches for it: each with
+    # the range its paper searches where that is not the shared declaration's, else None (`config.search_space`;
+    # the distillation settings come with `uses_distillation`, its own settings with their declarations' `search`).
+    tunes: ClassVar[Mapping[str, Search | None]] = {}
     # The server's mean over the sampled clients as the paper prints it: "samples" (n_m-weighted) or "uniform";
     # --aggregation selects the other (the authors' codes and PFLlib differ; docs/METHODS.md says where). None: the
     # server takes no mean of the uploads (standalone, MTL), and --aggregation is refused.
@@ -226,6 +230,8 @@ def trains_by_sgd_jobs(cls: type[Method]) -> bool:
 
 class ProximalPersonalization(LocalSGDMethod):
     """Methods whose personalized model is a stored v_m trained proximal to the global w: PerAda, Ditto, FedProx."""
+
+    tunes: ClassVar[Mapping[str, Search | None]] = {"lam": None, "personal_lr": None}  # the personal steps' λ, η_p
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.stored_personal(client_id)

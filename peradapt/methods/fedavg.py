@@ -21,6 +21,7 @@ or exported (learning rate --personal-lr, default --lr). The fine-tuning is loca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, Method, register
 from peradapt.seeds import derive_seed
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
 
@@ -85,6 +86,7 @@ class FineTuning(Method):
     default_ft_epochs: ClassVar[int]
     default_ft_steps: ClassVar[int | None] = None  # fine-tuning counted in steps unless --ft-epochs is given
     supports_dp = False  # it fine-tunes on client data at every evaluation, outside the rounds' accounting
+    tunes: ClassVar[Mapping[str, Search | None]] = {"personal_lr": None}  # the fine-tuning's (Per-FedAvg's α)
     settings_class: ClassVar[type] = FineTuningSettings
     settings: FineTuningSettings
 

@@ -41,7 +41,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, MethodContext, register
 from peradapt.methods.fedavg import FedAvg
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 GRADIENT_KEY = "feddyn_gradient"  # grad L_k(theta_k^{t-1}) in the ClientStore
 CLIENT_ALPHAS = ("uniform", "by-size")
@@ -57,6 +57,7 @@ class FedDynSettings:
         minimum=0.0,
         exclusive_minimum=True,
         symbol="α",
+        search=Search.log(1e-3, 0.1),  # Acar et al. (Sec. 5) choose α from {0.1, 0.01, 0.001}
     )
     feddyn_client_alpha: str = setting(
         "uniform",

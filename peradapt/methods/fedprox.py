@@ -29,11 +29,13 @@ with the paper's Theorem 1 rule (see `auto_lam`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, ProximalPersonalization, ServerStepSettings, register
+from peradapt.settings import Search
 
 
 @register
@@ -45,6 +47,8 @@ class FedProx(ProximalPersonalization):
     uses_proximal = True
     supports_dp = True
     settings_class = ServerStepSettings  # --beta = gamma * lam
+    # Its one SGD job is the personal one, at --personal-lr or else --lr: searching --lr covers it.
+    tunes: ClassVar[Mapping[str, Search | None]] = {"lam": None}
     settings: ServerStepSettings
 
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:

@@ -28,7 +28,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, register
 from peradapt.methods.fedavg import FedAvg
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 
 @dataclass
@@ -38,6 +38,7 @@ class FedProxLiSettings:
         help="fedprox-li: proximal strength μ towards the global model.",
         minimum=0.0,
         symbol="μ",
+        search=Search.log(1e-3, 1.0),  # the values Li et al. select μ from, {0.001, 0.01, 0.1, 1} (Sec. 5.3)
     )
 
 

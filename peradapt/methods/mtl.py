@@ -40,8 +40,9 @@ and strength λ M / (M + 1), the mean-regularized rule (a learned Ω has no row 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -49,7 +50,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.errors import TrainingDiverged
 from peradapt.methods.base import PERSONAL_KEY, ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 OMEGAS = ("mean", "learned")
 OMEGA_KK = "mtl.omega_kk"  # the payload's entry holding Ω_kk beside the anchor a_k
@@ -89,6 +90,8 @@ class MTL(LocalSGDMethod):
     default_scope = "full"  # PerAda Table 1: "MTL, Full model"
     supports_dp = True
     settings_class = MTLSettings
+    # the coupling strength λ; PerAda gives MTL no range of its own: the shared one
+    tunes: ClassVar[Mapping[str, Search | None]] = {"lam": None}
     settings: MTLSettings
 
     def __init__(self, context: MethodContext) -> None:

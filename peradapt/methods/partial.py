@@ -41,7 +41,7 @@ These are full-model methods in Table 1 (11.18M trained per client), so they tra
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,7 +63,7 @@ from peradapt.methods.base import (
     register,
 )
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 EXTRACTOR = "extractor"  # LG-FedAvg's personal part: no --personal-part value, only a method default
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
@@ -110,6 +110,7 @@ class PartialModel(Method):
 
     default_scope = "full"
     default_part: ClassVar[str]
+    tunes: ClassVar[Mapping[str, Search | None]] = {"personal_lr": None}  # the personal part's η_p
     settings_class: ClassVar[type] = PartialModelSettings
     settings: PartialModelSettings
 

@@ -44,8 +44,9 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -53,7 +54,7 @@ from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientUpdate, register
 from peradapt.methods.pfedme import Batch, PFedMe, PFedMeSettings, Tensors, assign, detached
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 MEMORY_KEY = "memory"  # w_{i,R}^{(t-1)}: the client's last upload
 CODE_PRIOR = "mh-code"  # mh as the authors' code computes it (Eq. 24, look-ahead gradient on a second minibatch)
@@ -73,7 +74,11 @@ class PFedBreDSettings(PFedMeSettings):
         0.01, help="pFedBreD meta-step η_α on the loss gradient (lg, mh, mh-code).", minimum=0.0, symbol="η_α"
     )
     prior_eta: float = setting(
-        0.05, help="pFedBreD meta-step η on the memorized envelope gradient (meg, mh).", minimum=0.0, symbol="η"
+        0.05,
+        help="pFedBreD meta-step η on the memorized envelope gradient (meg, mh).",
+        minimum=0.0,
+        symbol="η",
+        search=Search.uniform(0.0, 1.0),  # the range of η in Appendix C.6 (Figure 5); Section 6.1 runs 0.05
     )
 
 
@@ -83,6 +88,8 @@ class PFedBreD(PFedMe):
     summary = "Bregman-Moreau envelope with a personalized prior mean from relaxed mirror descent (Shi et al. 2023)"
     default_scope = "full"
     uses_proximal = True
+    # Section 6.1: "λ is chosen from 15.0 to 60.0" (in pFedMe's and PerAda's range of it here, w would barely move)
+    tunes: ClassVar[Mapping[str, Search | None]] = {"lam": Search.uniform(15.0, 60.0), "personal_lr": None}
     settings_class = PFedBreDSettings
     settings: PFedBreDSettings
 

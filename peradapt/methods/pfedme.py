@@ -32,8 +32,9 @@ Conventions of this implementation:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -42,7 +43,7 @@ from peradapt.compute.trainer import LocalTrainer
 from peradapt.data import ClientData
 from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, ServerStepSettings, register
 from peradapt.seeds import LOCAL, derive_seed
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 AM_BETA = 2.0  # pFedBreD, Appendix C.4: "beta = 2 for methods ... employing AM"
 
@@ -70,6 +71,7 @@ class PFedMe(Method):
     default_scope = "full"
     default_aggregation = "uniform"  # Algorithm 1: (1/S) sum_i w_i
     uses_proximal = True
+    tunes: ClassVar[Mapping[str, Search | None]] = {"lam": None, "personal_lr": None}  # λ, the inner steps' η_p
     trains_all_clients = True  # Algorithm 1: "for all i = 1..N"; the server samples S^t afterwards
     settings_class = PFedMeSettings
     settings: PFedMeSettings

@@ -22,7 +22,7 @@ import torch
 from peradapt import method_class
 from peradapt.adapters import AdapterState
 from peradapt.methods.base import ClientUpdate
-from peradapt.settings import setting
+from peradapt.settings import Search, setting
 
 FedAvg = method_class("fedavg")  # the built-in FedAvg: its client update is FedAvgM's
 
@@ -36,6 +36,7 @@ class FedAvgMSettings:
         maximum=1.0,
         exclusive_maximum=True,
         symbol="β",
+        search=Search.choices(0.0, 0.7, 0.9, 0.97, 0.99, 0.997),  # the momenta Hsu et al. sweep
     )
 
 
