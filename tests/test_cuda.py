@@ -66,6 +66,14 @@ def test_a_gpu_run_resumed_after_a_crash_is_bit_identical_to_itself(tmp_path, fm
     assert code == 0, err
     assert results(crashed) == results(whole)
     assert json.loads((whole / "config.json").read_text())["resolved"]["device"].startswith(DEVICE)
+    peak = json.loads((whole / "report.json").read_text())["cost"]["timing"]["peak_cuda_bytes"]
+    assert (peak > 0) if DEVICE == "cuda" else peak is None  # the device's own peak, beside the process's RSS
+
+
+def test_the_flops_of_a_training_step_are_the_cpus_under_bf16_autocast(tmp_path, fmnist_dir, home):
+    cpu, gpu = tiny_session(fmnist_dir, tmp_path / "a", "cpu"), tiny_session(fmnist_dir, tmp_path / "b", DEVICE)
+    images = cpu.data.clients[0].train.images[:2]
+    assert gpu.trainer.training_flops(images) == cpu.trainer.training_flops(images) > 0  # counted, not timed
 
 
 def test_dp_noise_on_the_gpu_is_seeded(tmp_path, fmnist_dir, vit_weights, capsys, monkeypatch, home):
