@@ -28,6 +28,7 @@ LAYERS = [
     ["federation"],
     ["flower"],
     ["training", "pretraining"],
+    ["tuning"],
     ["comparison"],
     ["commands"],
     ["api"],
