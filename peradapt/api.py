@@ -191,19 +191,46 @@ def compare(
     seeds: int = 3,
     out: PathLike = "runs/compare",
     config_file: PathLike | None = None,
+    tune: int = 0,
+    storage: str | None = None,
+    tune_only: bool = False,
+    reference: str | None = None,
+    anchors: bool = True,
+    ood: str | None = None,
+    ood_limit: int | None = None,
     quiet: bool = False,
     console: Console | None = None,
     **settings: Any,
-) -> list[dict]:
-    """Train every method on seeds 0..seeds-1 (shared partitions) and return the Table-1-style rows, also written
-    to OUT/compare.json and compare.md; finished runs in `out` are reused."""
-    from peradapt.comparison import compare as run_compare
+) -> dict:
+    """Tune every method with `tune` trials on validation splits (0: their settings as given), train it on seeds
+    0..seeds-1 (shared partitions), and return what OUT/compare.json holds (rows, ranks, trials, audit), also
+    written as compare.md and PNGs; finished runs and trials in `out` (or `storage`) are reused. See
+    `peradapt.commands.comparison`."""
+    from peradapt.commands.comparison import compare as run_compare
 
+    for flag, value, least in (("--seeds", seeds, 1), ("--tune", tune, 0), ("--ood-limit", ood_limit, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if tune_only and not tune:
+        raise ConfigError("--tune-only runs trials: give their number with --tune N")
     values: dict[str, Any] = read_config_file(Path(config_file)) if config_file else {}
     origins = setting_origins([(values, f"--config {config_file}")], settings)
     values.update(_as_text(settings))
     with origins_named(origins):
-        return run_compare(values, list(methods), list(range(seeds)), Path(out), _console(console, quiet))
+        return run_compare(
+            values,
+            list(methods),
+            list(range(seeds)),
+            Path(out),
+            _console(console, quiet),
+            tune_trials=tune,
+            storage=storage,
+            tune_only=tune_only,
+            reference=reference,
+            anchors=anchors,
+            ood=ood,
+            ood_limit=ood_limit,
+        )
 
 
 @refusals_reported

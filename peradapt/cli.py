@@ -189,15 +189,45 @@ def compare(
     context: typer.Context,
     methods: Annotated[str, Opt(help="Comma-separated methods, e.g. perada,perada-nokd,ditto.", show_default=False)],
     seeds: Annotated[int, Opt(help="Seeds 0..N-1; each fixes the partition shared by all methods.")] = 3,
-    out: Annotated[Path, Opt(help="Directory for the runs and compare.json / compare.md.")] = Path("runs/compare"),
+    out: Annotated[Path, Opt(help="Directory for the runs, the trials and compare.json / compare.md / PNGs.")] = Path(
+        "runs/compare"
+    ),
     config: Annotated[Path | None, Opt(help="YAML or JSON file of train settings; flags win.")] = None,
+    tune: Annotated[
+        int,
+        Opt(
+            help="Trials per method over its declared search space (`peradapt methods`), scored on validation "
+            "splits of the clients' training images; the test split is read only by the final runs. 0: no tuning."
+        ),
+    ] = 0,
+    storage: Annotated[
+        str | None,
+        Opt(
+            help="Where the trials are kept (Optuna storage): sqlite:///FILE, postgresql://..., mysql://... or "
+            "journal:FILE; workers given the same one share the trials (docs/DEPLOY.md).",
+            show_default="sqlite:///OUT/tuning.db",
+        ),
+    ] = None,
+    tune_only: Annotated[
+        bool, Opt(help="Stop after the trials: a worker helping another `compare` that runs the final seeds.")
+    ] = False,
+    reference: Annotated[
+        str | None,
+        Opt(help="The method each other is tested against (paired over seeds).", show_default="perada, if compared"),
+    ] = None,
+    anchors: Annotated[
+        bool, Opt(help="Add standalone (local training) and fedavg-ft as anchors where not listed.")
+    ] = True,
+    ood: Annotated[str | None, Opt(help="Also score every run on this OOD set (as `peradapt eval --ood`).")] = None,
+    ood_limit: Annotated[int | None, Opt(help="With --ood: at most N images of each corruption and severity.")] = None,
 ) -> None:
-    """Run several methods on the same partitions and seeds and print a Table-1-style comparison.
+    """Tune, repeat and cost several methods on the same partitions and seeds, and print the ranked comparison.
 
-    Any `peradapt train` flag (--data, --clients, --rounds, --limit-samples, ...) after these applies to every run;
-    a method's own setting (--feddyn-alpha, ...) to the runs of the methods that take it.
+    Any `peradapt train` flag (--data, --clients, --rounds, --budget, --limit-samples, ...) after these applies to
+    every run; a method's own setting (--feddyn-alpha, ...) to the runs of the methods that take it, and is then
+    not tuned.
     """
-    from peradapt.comparison import rich_table
+    from peradapt.commands.comparison import rich_table
 
     train_command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     try:
@@ -209,11 +239,28 @@ def compare(
     flags.pop("config")
     settings = {k: v for k, v in flags.items() if v is not None}
     names = [name.strip() for name in methods.split(",") if name.strip()]
-    rows = api.compare(names, seeds=seeds, out=out, config_file=config, console=err_console, **settings)
+    result = api.compare(
+        names,
+        seeds=seeds,
+        out=out,
+        config_file=config,
+        tune=tune,
+        storage=storage,
+        tune_only=tune_only,
+        reference=reference,
+        anchors=anchors,
+        ood=ood,
+        ood_limit=ood_limit,
+        console=err_console,
+        **settings,
+    )
+    if tune_only:
+        out_console.print(f"trials done: {', '.join(result['methods'])}", soft_wrap=True)
+        return
     # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
-    console = out_console if out_console.is_terminal else text_console(width=160)
-    console.print(rich_table(rows, seeds))
-    out_console.print(f"written to {out / 'compare.json'} and {out / 'compare.md'}", soft_wrap=True)
+    console = out_console if out_console.is_terminal else text_console(width=220)
+    console.print(rich_table(result))
+    out_console.print(f"written to {out / 'compare.json'}, {out / 'compare.md'} and PNGs", soft_wrap=True)
 
 
 @app.command("eval", cls=PlainTextCommand)

@@ -1,78 +1,180 @@
-"""`peradapt compare`: several methods on the same seeds, one table, finished runs reused."""
+"""`peradapt compare`: methods on the same seeds, tuned on validation splits, with intervals, paired tests, tied ranks,
+new-client accuracy, costs and an audit record; finished runs reused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+from pathlib import Path
 
-import peradapt.comparison as compare_module
+import pytest
+from scipy import stats
 
-from .test_cli import run_cli, tiny_args
+import peradapt.commands.comparison as compare_module
+from peradapt.rundir.layout import read_run_config
+
+from .test_cli import expect_user_error, run_cli, tiny_args
+from .test_eval_split import marked_dir, white_images_seen  # noqa: F401 (marked_dir: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def compare_args(fmnist_dir, out, *extra):
+def compare_args(fmnist_dir, out, *extra, methods="perada,perada-nokd"):
     train_flags = tiny_args(fmnist_dir, out)[1:]
     at = train_flags.index("--out")
     del train_flags[at : at + 2]
-    return ["compare", "--methods", "perada,perada-nokd", "--seeds", "1", "--out", str(out), *train_flags, *extra]
+    return ["compare", "--methods", methods, "--seeds", "1", "--out", str(out), *train_flags, *extra]
 
 
-def test_compare_runs_every_method_and_reuses_finished_runs(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+def read(path):
+    return json.loads(path.read_text())
+
+
+def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
+    tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
     out = tmp_path / "cmp"
-    code, stdout, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1"), capsys, monkeypatch)
+    args = compare_args(fmnist_dir, out, "--rounds", "1", "--seeds", "2", "--no-anchors", "--reference", "perada")
+    code, stdout, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     assert "perada-nokd" in stdout and "compare.md" in stdout
-    summary = json.loads((out / "compare.json").read_text())
-    rows = {row["method"]: row for row in summary["rows"]}
-    assert set(rows) == {"perada", "perada-nokd"}
+    result = read(out / "compare.json")
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"perada", "perada-nokd"} and result["reference"] == "perada"
+    reports = {m: [read(out / f"{m}-seed{s}" / "report.json") for s in (0, 1)] for m in rows}
     for method, row in rows.items():
-        report = json.loads((out / f"{method}-seed0" / "report.json").read_text())
-        assert row["personalized_local_test"]["seeds"] == [100 * report["summary"]["personalized_local_test"]]
-        resolved = json.loads((out / f"{method}-seed0" / "config.json").read_text())["resolved"]
+        values = [100 * r["personalized"]["local_test"]["mean"] for r in reports[method]]
+        entry = row["local_test"]
+        assert entry["seeds"] == pytest.approx(values)
+        # By hand: two seeds, s = |a - b| / sqrt(2), half-width t(0.975, 1) * s / sqrt(2) = 12.7062... * |a - b| / 2
+        assert entry["mean"] == pytest.approx((values[0] + values[1]) / 2)
+        assert entry["std"] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2))
+        half = 12.706204736174698 * abs(values[0] - values[1]) / 2
+        assert (entry["low"], entry["high"]) == pytest.approx((entry["mean"] - half, entry["mean"] + half))
+        worst = [100 * r["personalized"]["local_test"]["worst_10pct"] for r in reports[method]]
+        assert row["local_test_worst_10pct"]["seeds"] == pytest.approx(worst)
+        assert row["global_test"]["seeds"] == pytest.approx(
+            [100 * r["summary"]["global_global_test"] for r in reports[method]]
+        )
+        resolved = read(out / f"{method}-seed0" / "config.json")["resolved"]
         assert row["trained"] == 2 * resolved["trainable_parameters"]  # PerAda trains v_m and theta_m
-    # Both methods saw the same partition.
-    partitions = [json.loads((out / f"{m}-seed0" / "partition.json").read_text()) for m in rows]
-    assert partitions[0] == partitions[1]
-    assert "| perada-nokd | adapter |" in (out / "compare.md").read_text()
+        assert row["cost"]["bytes_up"] == pytest.approx(sum(r["cost"]["bytes_up"] for r in reports[method]) / 2)
+    # The paired test against the reference, by hand: differences per seed, t = mean / (sd / sqrt(n)).
+    differences = [
+        a - b
+        for a, b in zip(rows["perada-nokd"]["local_test"]["seeds"], rows["perada"]["local_test"]["seeds"], strict=True)
+    ]
+    paired = rows["perada-nokd"]["vs_reference"]
+    assert paired["mean_difference"] == pytest.approx(sum(differences) / 2)
+    spread = abs(differences[0] - differences[1]) / math.sqrt(2)
+    if spread > 1e-9:
+        t = (sum(differences) / 2) / (spread / math.sqrt(2))
+        assert paired["p_value"] == pytest.approx(2 * stats.t.sf(abs(t), 1))
+        assert paired["significant"] == (paired["p_value"] < 0.05)
+    # Two seeds never reach p < 0.05 unless the differences agree almost exactly: the methods tie.
+    if not paired["significant"]:
+        assert {rows[m]["rank"] for m in rows} == {"1="}
+    # The audit: each seed's split as the runs scored it, the same for both methods.
+    audit = result["audit"]
+    for seed in (0, 1):
+        digest = hashlib.sha256((out / f"perada-seed{seed}" / "partition.json").read_bytes()).hexdigest()
+        assert audit["partition_sha256"][str(seed)] == digest
+    assert "local_test" in audit["scored"] and "last round" in audit["selection"]
+    assert audit["versions"]["torch"] and audit["versions"]["peradapt"]
+    markdown = (out / "compare.md").read_text()
+    assert "| 1= | perada |" in markdown or "| 1 | perada |" in markdown or "| 2 | perada |" in markdown
+    assert "reference" in markdown and (out / "ranking.png").stat().st_size > 0
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(compare_module, "train", no_training)
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1"), capsys, monkeypatch)
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
+    assert read(out / "compare.json")["rows"] == result["rows"]
 
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1", "--lr", "0.2"), capsys, monkeypatch)
+    code, _, err = run_cli([*args, "--lr", "0.2"], capsys, monkeypatch)
     assert code == 2 and "other settings" in err
 
 
-def test_compare_rejects_what_it_sets_itself(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     out = tmp_path / "cmp"
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--seed", "4"), capsys, monkeypatch)
-    assert code == 2 and "seed" in err
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--no-such-flag", "1"), capsys, monkeypatch)
-    assert code == 2 and "no-such-flag" in err
-    args = compare_args(fmnist_dir, out)
-    args[args.index("--methods") + 1] = "perada,fedsomething"
-    code, _, err = run_cli(args, capsys, monkeypatch)
-    assert code == 2 and "fedsomething" in err
+    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1", methods="perada"), capsys, monkeypatch)
+    assert code == 0, err
+    result = read(out / "compare.json")
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"perada", "standalone", "fedavg-ft"}
+    for method, row in rows.items():
+        run = out / f"{method}-seed0"
+        assert read(run / "config.json")["config"]["federation"]["holdout_clients"] == 1  # 10% of 4, rounded up
+        report = read(run / "report.json")
+        held_out = report["held_out_clients"]
+        after = [read(run / "new_clients" / str(c) / "result.json")["after"]["local_test"] for c in held_out]
+        assert row["new_client"]["seeds"] == pytest.approx([100 * sum(after) / len(after)])
+        gap = row["local_test"]["seeds"][0] - row["new_client"]["seeds"][0]
+        assert row["new_client_gap"]["seeds"] == pytest.approx([gap])
+    assert "new clients" in (out / "compare.md").read_text()
+
+
+def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    out = tmp_path / "cmp"
+    cases = [
+        (compare_args(fmnist_dir, out, "--seed", "4"), "seed"),
+        (compare_args(fmnist_dir, out, "--no-such-flag", "1"), "no-such-flag"),
+        (compare_args(fmnist_dir, out, methods="perada,fedsomething"), "fedsomething"),
+        (compare_args(fmnist_dir, out, "--seeds", "0"), "--seeds must be at least 1"),
+        (compare_args(fmnist_dir, out, "--tune", "-1"), "--tune must be at least 0"),
+        (compare_args(fmnist_dir, out, "--tune-only"), "--tune-only runs trials"),
+        (compare_args(fmnist_dir, out, "--reference", "ditto"), "--reference ditto is not among"),
+        (compare_args(fmnist_dir, out, "--eval-split", "validation"), "compare sets eval_split itself"),
+        (compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1", "--no-anchors"), "--feddyn-alpha is a setting of"),
+    ]
+    for args, needle in cases:
+        expect_user_error(args, capsys, monkeypatch, needle)
     assert not out.exists()
 
 
 def test_compare_gives_each_method_only_the_settings_it_takes(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     out = tmp_path / "cmp"
-    args = compare_args(fmnist_dir, out, "--rounds", "1", "--mu", "0.5", "--limit-samples", "400")
+    args = compare_args(fmnist_dir, out, "--rounds", "1", "--mu", "0.5", "--limit-samples", "400", "--no-anchors")
     args[args.index("--methods") + 1] = "fedavg,fedprox-li"
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
-    saved = {
-        m: json.loads((out / f"{m}-seed0" / "config.json").read_text())["config"]["method"] for m in args[2].split(",")
-    }
+    saved = {m: read(out / f"{m}-seed0" / "config.json")["config"]["method"] for m in ("fedavg", "fedprox-li")}
     assert "mu" not in saved["fedavg"] and saved["fedprox-li"]["mu"] == 0.5
-    assert json.loads((out / "compare.json").read_text())["settings"]["mu"] == 0.5
+    assert read(out / "compare.json")["settings"]["mu"] == 0.5
 
 
-def test_compare_refuses_a_setting_no_compared_method_takes(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+def test_tuning_reads_no_test_image_before_the_final_runs(
+    tmp_path,
+    marked_dir,  # noqa: F811 (the fixture, imported above)
+    capsys,
+    monkeypatch,
+    home,
+):
+    """Test images are marked (all white; no training image is): none reaches a model during the trials, and the
+    final runs, scored on the test split, do feed them to the model."""
+    seen, finals_started = white_images_seen(monkeypatch), []
+    final_run = compare_module._final_run
+
+    def marking_the_finals(*args, **kwargs):
+        finals_started.append(len(seen))
+        return final_run(*args, **kwargs)
+
+    monkeypatch.setattr(compare_module, "_final_run", marking_the_finals)
     out = tmp_path / "cmp"
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1"), capsys, monkeypatch)
-    assert code == 2 and "--feddyn-alpha is a setting of feddyn: none of --methods perada, perada-nokd takes it" in err
-    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    args = compare_args(marked_dir, out, "--rounds", "2", "--tune", "2", "--no-anchors", methods="perada-nokd")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    before = seen[: finals_started[0]]
+    assert before and sum(before) == 0
+    assert sum(seen[finals_started[0] :]) > 0
+    result = read(out / "compare.json")
+    tuning = result["tuning"]["perada-nokd"]
+    assert len(tuning["trials"]) == 2 and tuning["best_params"]
+    final = read_run_config(out / "perada-nokd-seed0")[0].to_flat()
+    assert {key: final[key] for key in tuning["best_params"]} == tuning["best_params"]  # the final run takes the best
+    for trial in tuning["trials"]:  # every trial scored on validation splits
+        assert read(Path(trial["run_dir"]) / "config.json")["config"]["data"]["eval_split"] == "validation"
+    assert result["rows"][0]["tuned"] == tuning["best_params"]

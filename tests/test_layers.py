@@ -29,7 +29,6 @@ LAYERS = [
     ["flower"],
     ["training", "pretraining"],
     ["tuning"],
-    ["comparison"],
     ["commands"],
     ["api"],
     ["cli"],

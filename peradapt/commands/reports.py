@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from peradapt.commands.newclients import NEW_CLIENTS_DIR
-from peradapt.comparison import ACCURACIES
 from peradapt.errors import RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.evaluation.plots import (
@@ -34,6 +33,11 @@ from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 
 DEFAULT_OUT = Path("reports")
 OOD_PREFIX = "ood-"
+ACCURACIES = (  # (summary key, column label) of the task's metric: accuracy, or AUC for multi-label data
+    ("personalized_local_test", "local-test"),
+    ("personalized_global_test", "global-test"),
+    ("global_global_test", "global-test of w"),
+)
 
 
 def default_out(runs: list[Path]) -> Path:
@@ -205,6 +209,13 @@ def _read_new_clients(run: Path) -> dict | None:
         "before": float(np.mean([100 * r["before"]["local_test"] for r in results])),
         "after": float(np.mean([100 * r["after"]["local_test"] for r in results])),
     }
+
+
+def run_row(run: Path) -> dict:
+    """The summary row of one finished run, as `peradapt report` tables it (accuracies in percent)."""
+    loaded = _load_run(run)
+    _label_runs([loaded])
+    return _row(loaded)
 
 
 def _row(run: dict) -> dict:

@@ -164,6 +164,41 @@ def plot_per_client(runs: list[RunResults], path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class RankedScore:
+    """A method's place in a comparison: its rank label ("2=" when shared), mean over seeds and 95% interval (None
+    with one seed), in percent."""
+
+    method: str
+    rank: str
+    mean: float
+    low: float | None = None
+    high: float | None = None
+
+
+def plot_ranking(scores: list[RankedScore], metric: str, reference: str, path: Path) -> Path:
+    """Each method's mean over seeds with its 95% interval as a horizontal bar, best at the top, the reference's mean
+    as a dashed line: intervals that overlap it are what "n.s." in the table says in numbers."""
+    figure = _figure((9.0, 1.2 + 0.45 * len(scores)))
+    axis = figure.subplots()
+    positions = list(range(len(scores)))[::-1]
+    for position, score in zip(positions, scores, strict=True):
+        color = "C3" if score.method == reference else "C0"
+        if score.low is not None and score.high is not None:
+            axis.plot([score.low, score.high], [position, position], "-", color=color, lw=3, alpha=0.5)
+        axis.plot([score.mean], [position], "o", color=color, markersize=7)
+    means = {score.method: score.mean for score in scores}
+    if reference in means:
+        axis.axvline(means[reference], color="C3", ls="--", lw=1, label=f"{reference} (reference)")
+        axis.legend(loc="lower right", fontsize=8)
+    axis.set_yticks(positions, [f"{score.rank}  {score.method}" for score in scores])
+    axis.set_xlabel(f"{metric} % (mean over seeds, 95% interval)")
+    axis.grid(axis="x", alpha=0.3)
+    axis.set_title(f"ranking by {metric}: ranks tie where a paired test does not separate methods", fontsize=10)
+    _save(figure, path)
+    return path
+
+
 CostPoint = tuple[str, float, float]  # (label, cost, score): one run
 
 

@@ -36,6 +36,9 @@ class Standalone(LocalSGDMethod):
     def client_samples_bound(self, client: ClientData) -> int:
         return self.local_samples(client)
 
+    def payload(self, client_id: int, global_state: AdapterState) -> AdapterState:
+        return {}  # nothing is sent: v_m^0 = w^0 is the initial model every client builds from the run's seed
+
     def server_update(
         self,
         global_state: AdapterState,

@@ -1,0 +1,445 @@
+"""`peradapt compare`: several methods tuned on the same budget, repeated over seeds, costed and audited.
+
+1. **Tuning** (`--tune N`): each method gets N trials over its own declared search space (`peradapt.tuning`),
+   every trial scored on validation splits carved from the clients' training images (`--eval-split validation`):
+   no test image reaches a model before the final runs. A value given on the command line is not searched.
+2. **Final runs**: each method with its chosen settings once per seed, under `out/<method>-seed<seed>/`; a seed
+   fixes the partition, the client sampling and the initial adapters, so every method sees the same clients. A
+   finished run is reused and an interrupted one resumed, so re-running a comparison only does what is missing.
+3. **After each run**, from its exported models: its held-out clients personalized (`peradapt personalize`;
+   compare holds out 10% of the clients unless --holdout-clients is given) and the OOD set where asked (`peradapt
+   eval --ood`), each kept in the run directory like the commands' own results.
+4. **Rows**: per metric the mean over seeds with its 95% interval (`evaluation.statistics`), the paired difference
+   to the reference method over the same seeds with a paired t-test, ranks that tie where the test cannot separate
+   methods, and the runs' costs (report.json `cost`).
+5. **Files**: compare.json (rows, ranks, every trial, the audit), compare.md, ranking.png and
+   accuracy_vs_cost.png.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
+from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
+from peradapt.commands.reports import cost_panels, run_row
+from peradapt.config import TrainConfig, method_path_label, setting_owners, settings_for_method
+from peradapt.errors import ConfigError, RunError
+from peradapt.evaluation import METRIC_LABELS
+from peradapt.evaluation.plots import RankedScore, plot_accuracy_vs_cost, plot_ranking
+from peradapt.evaluation.statistics import ALPHA, over_seeds, paired_difference, tied_ranks
+from peradapt.federation.engine import check_budget, resume_config
+from peradapt.federation.session import build_session
+from peradapt.methods import method_class
+from peradapt.progress import counted, text_console
+from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
+from peradapt.rundir.layout import RunPaths, read_report, read_run_config
+from peradapt.training import train
+from peradapt.tuning import tune
+
+ANCHORS = ("standalone", "fedavg-ft")  # Local training alone and FedAvg + fine-tuning: what any pFL method must beat
+DEFAULT_REFERENCE = "perada"
+HOLDOUT_SHARE = 0.1  # of the clients, held out for the new-client metric unless --holdout-clients is given
+COUNTS = ("personalized", "trained", "communicated")
+SELECTION = "the models after the last round (no round is chosen on test data)"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A number of the table: its key in compare.json, its column, and which model was scored on what (the audit)."""
+
+    key: str
+    label: str
+    scored: str
+
+
+PRIMARY = Metric(
+    "local_test",
+    "local-test",
+    "each trained client's personalized model on its own local-test split; mean over clients",
+)
+METRICS = (
+    PRIMARY,
+    Metric("local_test_weighted", "weighted", "as local-test, the mean weighted by each client's test images"),
+    Metric("local_test_worst_10pct", "worst 10%", "as local-test, the mean of the worst 10% of clients"),
+    Metric("local_test_client_std", "std over clients", "as local-test, the standard deviation over clients"),
+    Metric("global_test", "global-test of w", "the global model on the global test set (all clients' test splits)"),
+    Metric(
+        "new_client",
+        "new clients",
+        "each held-out client's model personalized from the final global model (`peradapt personalize`) on its own "
+        "local-test split; mean over the held-out clients",
+    ),
+    Metric("new_client_gap", "gap", "local-test minus new clients: what a client loses by joining after training"),
+    Metric("ood", "OOD", "each trained client's personalized model on the OOD set (`peradapt eval --ood`); mean"),
+)
+# report.json `cost` entries the table shows, each a total per run (mean over seeds)
+COSTS = (
+    ("bytes_total", "MB sent", 1e-6),
+    ("client_samples", "client samples", 1.0),
+    ("client_flops", "client TFLOPs", 1e-12),
+    ("client_seconds", "client s", 1.0),
+    ("server_seconds", "server s", 1.0),
+)
+
+
+def compare(
+    settings: dict,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    console: Console | None = None,
+    *,
+    tune_trials: int = 0,
+    storage: str | None = None,
+    tune_only: bool = False,
+    reference: str | None = None,
+    anchors: bool = True,
+    ood: str | None = None,
+    ood_limit: int | None = None,
+) -> dict:
+    """Tune (`tune_trials` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
+
+    `anchors` adds standalone and fedavg-ft where missing; `reference` (default perada if compared, else the first
+    method) is the method every other is tested against; `ood` names an OOD set to evaluate every run on;
+    `tune_only` stops after the trials (a worker sharing the study through `storage`)."""
+    console = console or text_console(stderr=True)
+    methods = _checked_methods(settings, methods, anchors)
+    reference = _reference(reference, methods)
+    if not seeds:
+        raise ConfigError("--seeds must be at least 1")
+    settings = _with_holdout(settings, methods[0], console)
+    if settings.get("budget") is not None:
+        _check_budget(settings, methods, seeds[0])
+    tuning = (
+        {
+            method: tune(method, settings, trials=tune_trials, out=out, storage=storage, console=console)
+            for method in methods
+        }
+        if tune_trials
+        else {}
+    )
+    if tune_only:
+        return {"methods": methods, "tuning": tuning}
+    chosen = {method: tuning[method]["best_params"] if tuning else {} for method in methods}
+    runs = {
+        method: [_final_run(settings, chosen[method], method, seed, out, console) for seed in seeds]
+        for method in methods
+    }
+    facts = {method: [_facts(run, ood, ood_limit, console) for run in runs[method]] for method in methods}
+    rows = [_row(method, runs[method], facts[method], facts[reference], chosen[method]) for method in methods]
+    ranks = tied_ranks({method: _column(facts[method], PRIMARY.key) for method in methods})
+    for rank in ranks:
+        next(row for row in rows if row["method"] == rank.method)["rank"] = rank.label
+    rows.sort(key=lambda row: [rank.method for rank in ranks].index(row["method"]))
+    result = {
+        "settings": settings,
+        "methods": methods,
+        "seeds": list(seeds),
+        "reference": reference,
+        "tune": tune_trials,
+        "rows": rows,
+        "ranks": [rank.as_dict() for rank in ranks],
+        "tuning": tuning,
+        "audit": _audit(runs, facts, ood),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "compare.json", result)
+    write_text_atomic(out / "compare.md", markdown_table(result))
+    plot_ranking([_ranked(row) for row in rows], PRIMARY.label, reference, out / "ranking.png")
+    every_run = [{"report": fact["report"]} for method in methods for fact in facts[method]]
+    y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
+    plot_accuracy_vs_cost(cost_panels(every_run), y_name, out / "accuracy_vs_cost.png")
+    return result
+
+
+def _checked_methods(settings: dict, methods: Sequence[str], anchors: bool) -> list[str]:
+    """The methods to compare (the anchors added), every name known and every setting taken by one of them, before
+    anything trains."""
+    fixed = sorted({"method", "seed", "out", "eval_split"} & settings.keys())
+    if fixed:
+        raise ConfigError(
+            f"compare sets {', '.join(fixed)} itself: leave them out (use --methods, --seeds, --out; trials score "
+            "on validation splits, the final runs on test splits)"
+        )
+    if not methods:
+        raise ConfigError("compare needs at least one method in --methods")
+    listed = list(dict.fromkeys([*methods, *(ANCHORS if anchors else ())]))
+    for method in listed:
+        method_class(method)  # unknown names stop the comparison before anything trains
+    for key in settings:
+        owners = setting_owners(key.replace("-", "_"))
+        if owners and not set(owners) & set(listed):
+            raise ConfigError(
+                f"--{key.replace('_', '-')} is a setting of {', '.join(owners)}: none of --methods "
+                f"{', '.join(listed)} takes it"
+            )
+    return listed
+
+
+def _reference(reference: str | None, methods: list[str]) -> str:
+    if reference is None:
+        return DEFAULT_REFERENCE if DEFAULT_REFERENCE in methods else methods[0]
+    if reference not in methods:
+        raise ConfigError(f"--reference {reference} is not among the compared methods ({', '.join(methods)})")
+    return reference
+
+
+def _with_holdout(settings: dict, method: str, console: Console) -> dict:
+    """`settings` with 10% of the clients held out for the new-client metric, where the user chose nothing and the
+    federation has room for it (its --clients-per-round still fits)."""
+    if "holdout_clients" in settings:
+        return settings
+    federation = TrainConfig.from_flat({**settings_for_method(settings, method), "method": method}).federation
+    held_out = math.ceil(HOLDOUT_SHARE * federation.clients) if federation.clients > 1 else 0
+    if held_out == 0 or federation.clients - held_out < federation.clients_per_round:
+        console.print(
+            "note: no client is held out (--clients-per-round leaves no room), so there is no new-client accuracy: "
+            "pass --holdout-clients K with fewer clients per round for it"
+        )
+        return settings
+    return {**settings, "holdout_clients": held_out}
+
+
+def _check_budget(settings: dict, methods: list[str], seed: int) -> None:
+    """--budget: refused before anything trains when one of the methods cannot reach it within --rounds (a run
+    checks its own too, but by then the methods before it would have trained)."""
+    for method in methods:
+        config = TrainConfig.from_flat({**settings_for_method(settings, method), "method": method, "seed": seed})
+        check_budget(build_session(config))
+
+
+def _final_run(settings: dict, chosen: dict, method: str, seed: int, out: Path, console: Console) -> Path:
+    """The finished run of `method` with its chosen settings at `seed`: trained, resumed or reused."""
+    flat = settings_for_method({**settings, **chosen}, method)
+    directory = out / f"{method_path_label(method)}-seed{seed}"
+    config = TrainConfig.from_flat({**flat, "method": method, "seed": seed, "out": str(directory)})
+    paths = RunPaths(directory)
+    if not paths.config.exists():
+        console.print(Text.assemble((method, "bold"), f", seed {seed}"))
+        train(config, console=console)
+        return directory
+    saved = resume_config(paths.root, {})
+    if _comparable(saved) != _comparable(config):
+        raise RunError(f"{paths.root} holds a run with other settings: remove it or pass another --out")
+    if read_report(paths.root) is None:  # checked: None until the run has finished
+        train(saved, resume=True, console=console)
+    return directory
+
+
+def _comparable(config: TrainConfig) -> dict:
+    flat = config.to_flat()
+    for key in ("out", "device", "eval_every", "log"):
+        flat.pop(key)
+    return flat
+
+
+def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) -> dict:
+    """The numbers of one finished run (percent; costs as report.json gives them), evaluating what it lacks: its
+    held-out clients personalized, its OOD set. Results already in the run directory are read, not redone."""
+    report = read_report(run)
+    for client in report.get("held_out_clients", []):
+        if not (run / NEW_CLIENTS_DIR / str(client) / "result.json").is_file():
+            personalize_new_client(run, str(client))
+    if ood is not None and not (run / ood_report_name(ood)).is_file():
+        evaluate_ood_run(run, ood, limit=ood_limit, console=console)
+    row = run_row(run)
+    local = report["personalized"]["local_test"]
+    facts = {
+        "local_test": 100 * local["mean"],
+        "local_test_weighted": 100 * local["weighted_mean"],
+        "local_test_worst_10pct": 100 * local["worst_10pct"],
+        "local_test_client_std": 100 * local["std"],
+        "global_test": 100 * report["summary"]["global_global_test"],
+    }
+    if row["new_clients"] is not None:
+        facts["new_client"] = row["new_clients"]["after"]
+        facts["new_client_gap"] = facts["local_test"] - facts["new_client"]
+    if ood is not None:
+        facts["ood"] = row["ood"][ood]["personalized"]
+    cost, timing = report["cost"], report["cost"]["timing"]
+    spent = {
+        "bytes_up": cost["bytes_up"],
+        "bytes_down": cost["bytes_down"],
+        "bytes_total": cost["bytes_up"] + cost["bytes_down"],
+        "client_samples": cost["client_samples"],
+        "client_flops": cost["client_flops"],
+        "client_seconds": timing["client_seconds"],
+        "server_seconds": timing["aggregation_seconds"] + timing["distillation_seconds"],
+        "peak_rss_bytes": timing["peak_rss_bytes"],
+        **({"peak_cuda_bytes": timing["peak_cuda_bytes"]} if timing["peak_cuda_bytes"] is not None else {}),
+    }
+    return {**facts, "cost": spent, "report": report}
+
+
+def _column(facts: list[dict], key: str) -> list[float]:
+    """One number per seed (NaN where a run has none: the statistics leave it out)."""
+    return [float(fact.get(key, math.nan)) for fact in facts]
+
+
+def _row(method: str, runs: list[Path], facts: list[dict], reference: list[dict], chosen: dict) -> dict:
+    _, resolved = read_run_config(runs[0])
+    row = {
+        "method": method,
+        "scope": resolved.get("scope", "adapter"),
+        "metric": facts[0]["report"].get("metric", "accuracy"),
+        **resolved.get("parameter_counts", {}),
+        "tuned": chosen,
+        "runs": [str(run) for run in runs],
+    }
+    for metric in METRICS:
+        values = _column(facts, metric.key)
+        if not all(math.isnan(value) for value in values):
+            row[metric.key] = {"seeds": values, **over_seeds(values).as_dict()}
+    row["vs_reference"] = paired_difference(_column(facts, PRIMARY.key), _column(reference, PRIMARY.key)).as_dict()
+    row["cost"] = {  # per run, mean over seeds
+        key: float(np.mean([fact["cost"][key] for fact in facts]))
+        for key in facts[0]["cost"]
+        if all(key in fact["cost"] for fact in facts)
+    }
+    budget = facts[0]["report"]["cost"]["budget"]
+    if budget is not None:  # whether every seed's run reached it, or --rounds stopped it first
+        row["budget_reached"] = all(fact["report"]["cost"]["budget"]["reached"] for fact in facts)
+    return row
+
+
+def _ranked(row: dict) -> RankedScore:
+    entry = row[PRIMARY.key]
+    return RankedScore(row["method"], row["rank"], entry["mean"], entry["low"], entry["high"])
+
+
+def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str | None) -> dict:
+    """What a reader needs to check the table and run it again: each number's model and data, the split each seed
+    scored (the SHA-256 of partition.json, the same for every method), and the versions that ran."""
+    partitions: dict[int, set[str]] = {}
+    versions: dict[str, set[str]] = {}
+    for method_facts in facts.values():
+        for fact in method_facts:
+            report = fact["report"]
+            partitions.setdefault(report["seed"], set()).add(report["partition_sha256"])
+    for method_runs in runs.values():
+        for run in method_runs:
+            for package, version in read_run_config(run)[1].get("versions", {}).items():
+                versions.setdefault(package, set()).add(version)
+    for seed, hashes in partitions.items():
+        if len(hashes) > 1:  # the methods' runs of a seed did not see the same clients: the pairing would be void
+            raise RunError(
+                f"the runs of seed {seed} were trained on different partitions: remove them and compare again"
+            )
+    return {
+        "scored": {metric.key: metric.scored for metric in METRICS if metric.key != "ood" or ood},
+        "selection": SELECTION,
+        "partition_sha256": {str(seed): hashes.pop() for seed, hashes in sorted(partitions.items())},
+        "versions": {package: sorted(found) for package, found in sorted(versions.items())},
+        "runs": {method: [str(run) for run in method_runs] for method, method_runs in runs.items()},
+    }
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _score(entry: dict | None, interval: bool = False) -> str:
+    """mean ± std over seeds, and with `interval` the 95% interval of the mean; the mean alone for one seed."""
+    if entry is None:
+        return "-"
+    text = _number(entry["mean"])
+    if entry["std"] is not None:
+        text += f" ± {_number(entry['std'])}"
+        if interval:
+            text += f" [{_number(entry['low'])}, {_number(entry['high'])}]"
+    return text
+
+
+def _difference(row: dict, reference: str) -> str:
+    """The paired difference to the reference: mean, interval, p, and "n.s." where the test does not separate them."""
+    if row["method"] == reference:
+        return "reference"
+    test = row["vs_reference"]
+    if test["mean_difference"] is None:
+        return "-"
+    text = f"{test['mean_difference']:+.2f}"
+    if test["p_value"] is None:
+        return f"{text} (one seed: no test)"
+    text += f" [{test['low']:+.2f}, {test['high']:+.2f}] p={test['p_value']:.3g}"
+    return text if test["significant"] else f"{text} n.s."
+
+
+def _cost(row: dict, key: str, scale: float) -> str:
+    value = row["cost"].get(key)
+    if value is None:
+        return "-"
+    scaled = value * scale
+    return f"{scaled:,.0f}" if scaled >= 100 else f"{scaled:.3g}"
+
+
+# The columns a terminal shows (compare.md has them all): the headline, its test, the tail and the main costs.
+TERMINAL_COLUMNS = ("rank", "method", "worst 10%", "global-test of w", "new clients", "MB sent", "client TFLOPs")
+
+
+def _columns(result: dict) -> list[tuple[str, Callable[[dict], str]]]:
+    """(header, cell of a row) of the columns the comparison has: a metric no run measured is left out."""
+    rows, reference = result["rows"], result["reference"]
+    columns: list[tuple[str, Callable[[dict], str]]] = [
+        ("rank", lambda row: row["rank"]),
+        ("method", lambda row: row["method"]),
+        (f"{PRIMARY.label} (95% interval)", lambda row: _score(row.get(PRIMARY.key), interval=True)),
+        (f"Δ vs {reference}", lambda row: _difference(row, reference)),
+    ]
+    for metric in METRICS[1:]:
+        if any(metric.key in row for row in rows):
+            columns.append((metric.label, lambda row, key=metric.key: _score(row.get(key))))
+    for key, label, scale in COSTS:
+        if any(key in row["cost"] for row in rows):
+            columns.append((label, lambda row, key=key, scale=scale: _cost(row, key, scale)))
+    return columns
+
+
+def _title(result: dict) -> str:
+    rows = result["rows"]
+    metric = METRIC_LABELS[rows[0]["metric"]] if rows else METRIC_LABELS["accuracy"]  # one dataset: one metric
+    tuned = f"each tuned with {counted(result['tune'], 'trial')} on validation splits" if result["tune"] else "untuned"
+    return (
+        f"Personalized models, {metric} % (mean ± std over {counted(len(result['seeds']), 'seed')}; {tuned}); "
+        f"ranks tie where a paired t-test (p < {ALPHA}) does not separate methods"
+    )
+
+
+def rich_table(result: dict) -> Table:
+    """The table with the columns of `TERMINAL_COLUMNS` and the headline's two (compare.md has every column)."""
+    columns = [
+        column for index, column in enumerate(_columns(result)) if index in (2, 3) or column[0] in TERMINAL_COLUMNS
+    ]
+    table = Table(title=_title(result), caption="every column: compare.md")
+    for index, (header, _) in enumerate(columns):
+        table.add_column(header, justify="left" if index < 2 else "right")
+    for row in result["rows"]:
+        table.add_row(*(cell(row) for _, cell in columns))
+    return table
+
+
+def markdown_table(result: dict) -> str:
+    columns = _columns(result)
+    lines = [
+        _title(result) + ". Costs: per run, mean over seeds.",
+        "",
+        "| " + " | ".join(header for header, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in result["rows"]),
+        "",
+        "What each number scored: "
+        + "; ".join(f"**{m.label}**: {m.scored}" for m in METRICS if m.key in result["audit"]["scored"])
+        + f". Models: {SELECTION}.",
+    ]
+    return "\n".join(lines) + "\n"
