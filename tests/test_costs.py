@@ -131,6 +131,14 @@ def test_client_samples_are_the_hand_count_and_the_bound_is_exact(runs, home):
         assert cost["client_flops"] == cost["client_samples"] * cost["training_flops_per_sample"] > 0
 
 
+def test_the_flops_per_sample_do_not_depend_on_what_ran_before(runs, home):
+    session = session_of(runs["perada"])  # its frozen small-map convolutions have built no dense matrix yet
+    images = session.federated_clients[0].train.images[:1].repeat(2, 1, 1, 1)
+    first = session.trainer.training_flops(images)
+    assert session.trainer.training_flops(images) == first
+    assert first == report(runs["perada"])["cost"]["training_flops_per_sample"]
+
+
 def test_clients_trained_together_count_the_same_work(runs):
     alone, together = records(runs["perada"]), records(runs["concurrent"])
     for one, other in zip(alone, together, strict=True):

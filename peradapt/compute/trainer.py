@@ -325,7 +325,10 @@ class LocalTrainer:
         self.model.eval()
         try:
             with self.inputs.autocast():
-                return training_flops(self.model, self.inputs(images), self.model.trainable_parameters().values())
+                inputs = self.inputs(images)
+                with torch.no_grad():  # a first pass builds what the model caches (frozen convolutions on small
+                    self.model(inputs)  # maps as a dense matrix: `SmallInputConv2d`), once, not at every step
+                return training_flops(self.model, inputs, self.model.trainable_parameters().values())
         finally:
             if training:
                 self.model.train()
