@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from peradapt import api
-from peradapt.config import listed_settings
+from peradapt.config import listed_settings, search_space
 from peradapt.errors import INTERRUPTED_BEFORE_WRITING, ConfigError, Interrupted, PeradaptError, interrupts_raise
 from peradapt.methods import METHODS, method_class
 from peradapt.methods.base import trains_by_sgd_jobs
@@ -521,6 +521,10 @@ def _print_method(name: str, cls: type, console: Any) -> None:
         "--dp-noise": "yes" if cls.supports_dp else "no",
         "--concurrent-clients": "yes" if trains_by_sgd_jobs(cls) else "no (clients train one after another)",
         "trains": "every federated client each round" if cls.trains_all_clients else "the sampled clients",
+        "compare --tune searches": ", ".join(
+            f"{declared.flag_name} {declared.search.text()}" for declared in search_space(name).values()
+        )
+        or "nothing",
     }
     for fact, value in facts.items():
         console.print(f"{fact}: {value}", highlight=False)
