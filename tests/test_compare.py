@@ -129,6 +129,8 @@ def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmni
         (compare_args(fmnist_dir, out, "--reference", "ditto"), "--reference ditto is not among"),
         (compare_args(fmnist_dir, out, "--eval-split", "validation"), "compare sets eval_split itself"),
         (compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1", "--no-anchors"), "--feddyn-alpha is a setting of"),
+        (compare_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "cannot be reached"),
+        (compare_args(fmnist_dir, out, "--tune", "1", "--storage", "nosuchdb://here/x"), "nosuchdb://here/x"),
     ]
     for args, needle in cases:
         expect_user_error(args, capsys, monkeypatch, needle)
