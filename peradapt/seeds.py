@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PERSONAL, LOCAL, SERVER, SAMPLING, EVALUATION, VALIDATION = 1, 2, 3, 4, 5, 6
+PERSONAL, LOCAL, SERVER, SAMPLING, EVALUATION, VALIDATION, TUNING = 1, 2, 3, 4, 5, 6, 7
 
 
 def derive_seed(*parts: int) -> int:

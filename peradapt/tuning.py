@@ -5,7 +5,10 @@ What is searched is what the method's settings declare (`setting(..., search=...
 its own; a value given in the settings is fixed, not searched. Every trial is an ordinary run directory,
 `OUT/tuning/<study>/trial-<number>/`, trained with `--eval-split validation`: its score, report.json's
 `personalized_local_test`, is the clients' personalized models on validation splits held out of their training
-images, and no test image is read. The sampler is Optuna's TPE; its choices, every trial and the best are returned
+images, and no test image is read. The sampler is Optuna's TPE, seeded where the study is this comparison's alone (the
+default storage) from --seed and the trials the study already holds, so that a sweep run again from scratch makes
+the same trials and a resumed one does not replay the first draws; workers sharing a --storage each draw their own.
+Its choices, every trial and the best are returned
 and written to `OUT/tuning/<study>/trials.json`.
 
 **Stages and pruning.** The engine reports nothing between rounds, so a trial plays its rounds in stages
@@ -53,6 +56,7 @@ from peradapt.federation.engine import resume_config
 from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths, read_report
+from peradapt.seeds import TUNING, derive_seed
 from peradapt.settings import Search
 from peradapt.training import train
 
@@ -122,10 +126,12 @@ def tune(
                 study_name=study_name,
                 storage=opened,
                 direction="maximize",
-                sampler=sampler or optuna.samplers.TPESampler(),
+                sampler=sampler,
                 pruner=pruner or optuna.pruners.MedianPruner(),
                 load_if_exists=True,
             )
+            if sampler is None:
+                study.sampler = _sampler(base.seed, len(study.trials), shared=storage is not None)
             objective = _Objective(study, base, space, fixed, trials, directory, console)
             journal = isinstance(opened, optuna.storages.JournalStorage)
             _work(study, objective, trials, journal=journal, poll_s=heartbeat_s, console=console)
@@ -202,6 +208,12 @@ def _storage(url: str | None, out: Path, heartbeat_s: int) -> optuna.storages.Ba
     except (sqlalchemy.exc.SQLAlchemyError, ValueError) as error:
         reason = " ".join(str(getattr(error, "orig", None) or error).split())
         raise ConfigError(f"--storage {shown} cannot be opened ({reason}): check the URL and the server") from None
+
+
+def _sampler(seed: int, trials_held: int, *, shared: bool) -> optuna.samplers.BaseSampler:
+    """TPE, its random stream drawn from (--seed, the trials the study holds, TUNING) unless the study is `shared`
+    by workers, which would then all propose the same values."""
+    return _optuna().samplers.TPESampler(seed=None if shared else derive_seed(seed, trials_held, TUNING))
 
 
 def _retry() -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:

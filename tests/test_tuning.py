@@ -170,6 +170,28 @@ def test_other_fixed_settings_are_another_study(tuned, fmnist_dir, monkeypatch, 
     assert [t["params"].keys() for t in other["trials"]] == [{"lr", "personal_lr"}]
 
 
+def test_a_sweep_run_again_makes_the_same_trials_and_a_resumed_one_draws_new_values(
+    tmp_path, fmnist_dir, monkeypatch, home
+):
+    """The default sampler of a study the comparison holds alone is seeded from --seed and the trials it holds: the
+    same trials from scratch (the scores being the same), and no replay of the first draws after a resume."""
+
+    def score(config, **kwargs):  # a made-up score of the trial's values, as deterministic as training on a CPU
+        return {"summary": {tuning.OBJECTIVE: -abs(config.method.lr - 0.01) - abs(config.method.lam - 1)}}
+
+    monkeypatch.setattr(tuning, "train", score)
+
+    def params(out: Path, trials: int) -> list[dict]:
+        return [trial["params"] for trial in tuning.tune(METHOD, tiny(fmnist_dir), trials=trials, out=out)["trials"]]
+
+    first = params(tmp_path / "a", 4)
+    assert params(tmp_path / "b", 4) == first
+    assert len({json.dumps(values, sort_keys=True) for values in first}) == 4
+    params(tmp_path / "c", 2)
+    resumed = params(tmp_path / "c", 4)
+    assert resumed[:2] == first[:2] and resumed[2] not in first[:2] and resumed[3] not in first[:2]
+
+
 def test_a_pruned_trial_stops_its_run_at_the_stage(tmp_path, fmnist_dir, home):
     result = tuning.tune(
         "fedavg", tiny(fmnist_dir), trials=1, out=tmp_path, pruner=optuna.pruners.ThresholdPruner(lower=101.0)
