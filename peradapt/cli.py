@@ -173,6 +173,8 @@ def train(
 
     clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
     title = f"{report['method']} on {report['data']}, {clients}, {rounds}"
+    if report["eval_split"] == "validation":
+        title += ", scored on validation splits held out of the clients' training images (no test image)"
     if "privacy" in report:  # as the paper's Table 5: the clients' mean ε ± std
         privacy = report["privacy"]
         title += (

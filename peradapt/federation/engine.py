@@ -719,6 +719,8 @@ def build_report(session: Session, evaluation: dict, history: list[dict], flops:
         "method": config.method.method,
         "data": config.data.data,
         "metric": evaluation["metric"],
+        # --eval-split validation: every "test" score below is on the clients' validation splits (tuning trials)
+        "eval_split": config.data.eval_split,
         "classes": list(session.class_names),
         "rounds": len(history),  # played: --rounds, or fewer where --budget stopped the run
         "seed": config.seed,

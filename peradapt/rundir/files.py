@@ -25,6 +25,7 @@ REPORT = {
     "metric?": str,  # runs from before multi-label data lack it
     "classes?": [str],  # runs from before class names were recorded lack it
     "partition_sha256?": str,  # the same
+    "eval_split?": str,  # the same; "validation": the test scores are on validation splits
     "rounds": int,
     "seed": int,
     "clients": [int],
