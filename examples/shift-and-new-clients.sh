@@ -8,7 +8,7 @@ out=${1:-runs/compare-holdout}
 methods=${METHODS:-perada perada-nokd fedavg-ft ditto apfl fedprox}
 seeds=${SEEDS:-2}
 python -m peradapt compare --methods "${methods// /,}" --seeds "$seeds" --config examples/fmnist-compare.yaml \
-  --holdout-clients 4 --out "$out"
+  --holdout-clients 4 --no-anchors --out "$out"
 runs=()
 for method in $methods; do
   for ((seed = 0; seed < seeds; seed++)); do

@@ -155,9 +155,10 @@ def compare(
     write_json_atomic(out / "compare.json", result)
     write_text_atomic(out / "compare.md", markdown_table(result))
     plot_ranking([_ranked(row) for row in rows], PRIMARY.label, reference, out / "ranking.png")
-    every_run = [{"report": fact["report"]} for method in methods for fact in facts[method]]
-    y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
-    plot_accuracy_vs_cost(cost_panels(every_run), y_name, out / "accuracy_vs_cost.png")
+    costed = [{"report": fact["report"]} for method in methods for fact in facts[method] if fact["cost"]]
+    if costed:
+        y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
+        plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png")
     return result
 
 
@@ -255,18 +256,26 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
     local = report["personalized"]["local_test"]
     facts = {
         "local_test": 100 * local["mean"],
-        "local_test_weighted": 100 * local["weighted_mean"],
-        "local_test_worst_10pct": 100 * local["worst_10pct"],
         "local_test_client_std": 100 * local["std"],
         "global_test": 100 * report["summary"]["global_global_test"],
     }
+    for key, entry in (("local_test_weighted", "weighted_mean"), ("local_test_worst_10pct", "worst_10pct")):
+        if entry in local:  # not in runs trained before peradapt reported them
+            facts[key] = 100 * local[entry]
     if row["new_clients"] is not None:
         facts["new_client"] = row["new_clients"]["after"]
         facts["new_client_gap"] = facts["local_test"] - facts["new_client"]
     if ood is not None:
         facts["ood"] = row["ood"][ood]["personalized"]
-    cost, timing = report["cost"], report["cost"]["timing"]
-    spent = {
+    return {**facts, "cost": _spent(report.get("cost")), "report": report}
+
+
+def _spent(cost: dict | None) -> dict:
+    """A run's costs as the table shows them; none for a run trained before peradapt recorded them."""
+    if cost is None:
+        return {}
+    timing = cost["timing"]
+    return {
         "bytes_up": cost["bytes_up"],
         "bytes_down": cost["bytes_down"],
         "bytes_total": cost["bytes_up"] + cost["bytes_down"],
@@ -277,7 +286,6 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
         "peak_rss_bytes": timing["peak_rss_bytes"],
         **({"peak_cuda_bytes": timing["peak_cuda_bytes"]} if timing["peak_cuda_bytes"] is not None else {}),
     }
-    return {**facts, "cost": spent, "report": report}
 
 
 def _column(facts: list[dict], key: str) -> list[float]:
@@ -305,9 +313,9 @@ def _row(method: str, runs: list[Path], facts: list[dict], reference: list[dict]
         for key in facts[0]["cost"]
         if all(key in fact["cost"] for fact in facts)
     }
-    budget = facts[0]["report"]["cost"]["budget"]
-    if budget is not None:  # whether every seed's run reached it, or --rounds stopped it first
-        row["budget_reached"] = all(fact["report"]["cost"]["budget"]["reached"] for fact in facts)
+    budgets = [fact["report"].get("cost", {}).get("budget") for fact in facts]
+    if all(budgets):  # --budget: whether every seed's run reached it, or --rounds stopped it first
+        row["budget_reached"] = all(budget["reached"] for budget in budgets)
     return row
 
 
@@ -324,7 +332,8 @@ def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str |
     for method_facts in facts.values():
         for fact in method_facts:
             report = fact["report"]
-            partitions.setdefault(report["seed"], set()).add(report["partition_sha256"])
+            if "partition_sha256" in report:  # not in runs trained before peradapt recorded it
+                partitions.setdefault(report["seed"], set()).add(report["partition_sha256"])
     for method_runs in runs.values():
         for run in method_runs:
             for package, version in read_run_config(run)[1].get("versions", {}).items():
