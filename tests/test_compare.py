@@ -115,6 +115,20 @@ def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_d
         gap = row["local_test"]["seeds"][0] - row["new_client"]["seeds"][0]
         assert row["new_client_gap"]["seeds"] == pytest.approx([gap])
     assert "new clients" in (out / "compare.md").read_text()
+    # A run trained before peradapt reported costs, the weighted and worst-10% means and the partition's hash: its
+    # table has what the run has, and "-" for the rest.
+    path = out / "standalone-seed0" / "report.json"
+    report = read(path)
+    del report["cost"], report["partition_sha256"]
+    for model in ("personalized", "global"):
+        del report[model]["local_test"]["weighted_mean"], report[model]["local_test"]["worst_10pct"]
+    path.write_text(json.dumps(report))
+    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1", methods="perada"), capsys, monkeypatch)
+    assert code == 0, err
+    rows = {row["method"]: row for row in read(out / "compare.json")["rows"]}
+    assert rows["standalone"]["cost"] == {} and "local_test_weighted" not in rows["standalone"]
+    assert rows["perada"]["cost"]["bytes_total"] > 0 and rows["perada"]["local_test_weighted"]["n"] == 1
+    assert "| standalone |" in (out / "compare.md").read_text()
 
 
 def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmnist_dir, capsys, monkeypatch, home):
