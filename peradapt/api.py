@@ -213,6 +213,8 @@ def compare(
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     if tune_only and not tune:
         raise ConfigError("--tune-only runs trials: give their number with --tune N")
+    if ood_limit is not None and ood is None:
+        raise ConfigError("--ood-limit needs --ood NAME")
     values: dict[str, Any] = read_config_file(Path(config_file)) if config_file else {}
     origins = setting_origins([(values, f"--config {config_file}")], settings)
     values.update(_as_text(settings))

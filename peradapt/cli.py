@@ -227,7 +227,8 @@ def compare(
 
     Any `peradapt train` flag (--data, --clients, --rounds, --budget, --limit-samples, ...) after these applies to
     every run; a method's own setting (--feddyn-alpha, ...) to the runs of the methods that take it, and is then
-    not tuned.
+    not tuned. 10% of the clients are held out of training for the new-client accuracy unless --holdout-clients is
+    given. docs/METHODS.md, "Comparing methods", says what each number is.
     """
     from peradapt.commands.comparison import rich_table
 

@@ -100,7 +100,8 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
 
 def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     out = tmp_path / "cmp"
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1", methods="perada"), capsys, monkeypatch)
+    args = compare_args(fmnist_dir, out, "--rounds", "1", "--ood", "fmnist-c", "--ood-limit", "5", methods="perada")
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     result = read(out / "compare.json")
     rows = {row["method"]: row for row in result["rows"]}
@@ -114,7 +115,9 @@ def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_d
         assert row["new_client"]["seeds"] == pytest.approx([100 * sum(after) / len(after)])
         gap = row["local_test"]["seeds"][0] - row["new_client"]["seeds"][0]
         assert row["new_client_gap"]["seeds"] == pytest.approx([gap])
-    assert "new clients" in (out / "compare.md").read_text()
+        ood = read(run / "ood-fmnist-c.json")["average"]["personalized_mean"]  # as `peradapt eval --ood` writes it
+        assert row["ood"]["seeds"] == pytest.approx([100 * ood])
+    assert "new clients" in (out / "compare.md").read_text() and "| OOD |" in (out / "compare.md").read_text()
     # A run trained before peradapt reported costs, the weighted and worst-10% means and the partition's hash: its
     # table has what the run has, and "-" for the rest.
     path = out / "standalone-seed0" / "report.json"
@@ -123,7 +126,7 @@ def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_d
     for model in ("personalized", "global"):
         del report[model]["local_test"]["weighted_mean"], report[model]["local_test"]["worst_10pct"]
     path.write_text(json.dumps(report))
-    code, _, err = run_cli(compare_args(fmnist_dir, out, "--rounds", "1", methods="perada"), capsys, monkeypatch)
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     rows = {row["method"]: row for row in read(out / "compare.json")["rows"]}
     assert rows["standalone"]["cost"] == {} and "local_test_weighted" not in rows["standalone"]
@@ -140,6 +143,7 @@ def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmni
         (compare_args(fmnist_dir, out, "--seeds", "0"), "--seeds must be at least 1"),
         (compare_args(fmnist_dir, out, "--tune", "-1"), "--tune must be at least 0"),
         (compare_args(fmnist_dir, out, "--tune-only"), "--tune-only runs trials"),
+        (compare_args(fmnist_dir, out, "--ood-limit", "5"), "--ood-limit needs --ood"),
         (compare_args(fmnist_dir, out, "--reference", "ditto"), "--reference ditto is not among"),
         (compare_args(fmnist_dir, out, "--eval-split", "validation"), "compare sets eval_split itself"),
         (compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1", "--no-anchors"), "--feddyn-alpha is a setting of"),
