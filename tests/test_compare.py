@@ -85,6 +85,7 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
     markdown = (out / "compare.md").read_text()
     assert "| 1= | perada |" in markdown or "| 1 | perada |" in markdown or "| 2 | perada |" in markdown
     assert "reference" in markdown and (out / "ranking.png").stat().st_size > 0
+    assert "| perada-nokd | adapter |" in markdown  # scope and parameter counts, as the paper's Table 1
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")

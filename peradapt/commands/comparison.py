@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from rich.text import Text
 
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
-from peradapt.commands.reports import cost_panels, run_row
+from peradapt.commands.reports import cost_panels, read_new_clients, read_ood
 from peradapt.config import TrainConfig, method_path_label, setting_owners, settings_for_method
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
@@ -48,7 +49,6 @@ from peradapt.tuning import tune
 ANCHORS = ("standalone", "fedavg-ft")  # Local training alone and FedAvg + fine-tuning: what any pFL method must beat
 DEFAULT_REFERENCE = "perada"
 HOLDOUT_SHARE = 0.1  # of the clients, held out for the new-client metric unless --holdout-clients is given
-COUNTS = ("personalized", "trained", "communicated")
 SELECTION = "the models after the last round (no round is chosen on test data)"
 
 
@@ -252,7 +252,6 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
             personalize_new_client(run, str(client))
     if ood is not None and not (run / ood_report_name(ood)).is_file():
         evaluate_ood_run(run, ood, limit=ood_limit, console=console)
-    row = run_row(run)
     local = report["personalized"]["local_test"]
     facts = {
         "local_test": 100 * local["mean"],
@@ -262,11 +261,12 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
     for key, entry in (("local_test_weighted", "weighted_mean"), ("local_test_worst_10pct", "worst_10pct")):
         if entry in local:  # not in runs trained before peradapt reported them
             facts[key] = 100 * local[entry]
-    if row["new_clients"] is not None:
-        facts["new_client"] = row["new_clients"]["after"]
+    new_clients = read_new_clients(run)
+    if new_clients is not None:
+        facts["new_client"] = new_clients["after"]
         facts["new_client_gap"] = facts["local_test"] - facts["new_client"]
     if ood is not None:
-        facts["ood"] = row["ood"][ood]["personalized"]
+        facts["ood"] = read_ood(run)[ood]["personalized"]
     return {**facts, "cost": _spent(report.get("cost")), "report": report}
 
 
@@ -393,25 +393,42 @@ def _cost(row: dict, key: str, scale: float) -> str:
     return f"{scaled:,.0f}" if scaled >= 100 else f"{scaled:.3g}"
 
 
-# The columns a terminal shows (compare.md has them all): the headline, its test, the tail and the main costs.
+# The columns a terminal shows besides the headline and its test (compare.md has them all)
 TERMINAL_COLUMNS = ("rank", "method", "worst 10%", "global-test of w", "new clients", "MB sent", "client TFLOPs")
+COUNTS = (("personalized", "# personal"), ("trained", "# trained"), ("communicated", "# sent"))  # PerAda's Table 1
 
 
-def _columns(result: dict) -> list[tuple[str, Callable[[dict], str]]]:
-    """(header, cell of a row) of the columns the comparison has: a metric no run measured is left out."""
+def _parameters(row: dict, key: str) -> str:
+    if key not in row:
+        return "-"
+    return f"{row[key] / 1e6:.2f}M" if row[key] >= 100_000 else f"{row[key] / 1e3:.1f}k"
+
+
+def _score_of(row: dict, key: str) -> str:
+    return _score(row.get(key))
+
+
+def _columns(result: dict) -> list[tuple[str, Callable[[dict], str], bool]]:
+    """(header, cell of a row, shown on a terminal) of the columns the comparison has: a metric no run measured is
+    left out."""
     rows, reference = result["rows"], result["reference"]
-    columns: list[tuple[str, Callable[[dict], str]]] = [
-        ("rank", lambda row: row["rank"]),
-        ("method", lambda row: row["method"]),
-        (f"{PRIMARY.label} (95% interval)", lambda row: _score(row.get(PRIMARY.key), interval=True)),
-        (f"Δ vs {reference}", lambda row: _difference(row, reference)),
+    columns: list[tuple[str, Callable[[dict], str], bool]] = [
+        ("rank", lambda row: row["rank"], True),
+        ("method", lambda row: row["method"], True),
+        ("scope", lambda row: row["scope"], False),
+    ]
+    for key, label in COUNTS:  # parameters per client, as the paper's Table 1 counts them
+        columns.append((label, partial(_parameters, key=key), False))
+    columns += [
+        (f"{PRIMARY.label} (95% interval)", lambda row: _score(row.get(PRIMARY.key), interval=True), True),
+        (f"Δ vs {reference}", lambda row: _difference(row, reference), True),
     ]
     for metric in METRICS[1:]:
         if any(metric.key in row for row in rows):
-            columns.append((metric.label, lambda row, key=metric.key: _score(row.get(key))))
+            columns.append((metric.label, partial(_score_of, key=metric.key), metric.label in TERMINAL_COLUMNS))
     for key, label, scale in COSTS:
         if any(key in row["cost"] for row in rows):
-            columns.append((label, lambda row, key=key, scale=scale: _cost(row, key, scale)))
+            columns.append((label, partial(_cost, key=key, scale=scale), label in TERMINAL_COLUMNS))
     return columns
 
 
@@ -426,10 +443,8 @@ def _title(result: dict) -> str:
 
 
 def rich_table(result: dict) -> Table:
-    """The table with the columns of `TERMINAL_COLUMNS` and the headline's two (compare.md has every column)."""
-    columns = [
-        column for index, column in enumerate(_columns(result)) if index in (2, 3) or column[0] in TERMINAL_COLUMNS
-    ]
+    """The table with the columns a terminal shows (compare.md has every column)."""
+    columns = [(header, cell) for header, cell, on_terminal in _columns(result) if on_terminal]
     table = Table(title=_title(result), caption="every column: compare.md")
     for index, (header, _) in enumerate(columns):
         table.add_column(header, justify="left" if index < 2 else "right")
@@ -441,11 +456,11 @@ def rich_table(result: dict) -> Table:
 def markdown_table(result: dict) -> str:
     columns = _columns(result)
     lines = [
-        _title(result) + ". Costs: per run, mean over seeds.",
+        _title(result) + ". Parameters per client; costs per run, mean over seeds.",
         "",
-        "| " + " | ".join(header for header, _ in columns) + " |",
+        "| " + " | ".join(header for header, _, _ in columns) + " |",
         "|" + "---|" * len(columns),
-        *("| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in result["rows"]),
+        *("| " + " | ".join(cell(row) for _, cell, _ in columns) + " |" for row in result["rows"]),
         "",
         "What each number scored: "
         + "; ".join(f"**{m.label}**: {m.scored}" for m in METRICS if m.key in result["audit"]["scored"])

@@ -88,7 +88,7 @@ def _load_run(run: Path) -> dict:
         "scope": resolved.get("scope") or config.method.scope or "adapter",
         "metric": report.get("metric", "accuracy"),  # runs from before multi-label support are single-label
         "history": _read_metrics(paths.metrics),
-        "ood": _read_ood(run),
+        "ood": read_ood(run),
     }
 
 
@@ -132,7 +132,7 @@ def _percent(value: float | dict) -> float:
     return 100 * float(value["mean"] if isinstance(value, dict) else value)
 
 
-def _read_ood(run: Path) -> dict[str, dict[str, float]]:
+def read_ood(run: Path) -> dict[str, dict[str, float]]:
     """OOD set name -> mean over clients of the personalized adapters and the global adapter, in percent,
     averaged over the set's parts (from `peradapt eval --ood NAME`)."""
     ood = {}
@@ -195,7 +195,7 @@ def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
     return None if entry is None else 100 * float(entry)
 
 
-def _read_new_clients(run: Path) -> dict | None:
+def read_new_clients(run: Path) -> dict | None:
     """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model."""
     results = []
     for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json")):
@@ -209,13 +209,6 @@ def _read_new_clients(run: Path) -> dict | None:
         "before": float(np.mean([100 * r["before"]["local_test"] for r in results])),
         "after": float(np.mean([100 * r["after"]["local_test"] for r in results])),
     }
-
-
-def run_row(run: Path) -> dict:
-    """The summary row of one finished run, as `peradapt report` tables it (accuracies in percent)."""
-    loaded = _load_run(run)
-    _label_runs([loaded])
-    return _row(loaded)
 
 
 def _row(run: dict) -> dict:
@@ -232,7 +225,7 @@ def _row(run: dict) -> dict:
         "clients": len(report["clients"]),
         **{key: _stats(report[who].get(split)) for key, who, split in _ACCURACY_ENTRIES},
         "ood": run["ood"],
-        "new_clients": _read_new_clients(run["path"]),
+        "new_clients": read_new_clients(run["path"]),
         "dp_epsilon": report.get("privacy", {}).get("epsilon"),  # --dp-noise runs: ε per client, mean, std, max
     }
 
