@@ -189,9 +189,9 @@ def test_a_data_dir_without_the_idx_files_is_refused_not_replaced_by_the_system_
     with pytest.raises(DataError) as caught:
         load_source("fmnist", given)
     message = str(caught.value)
-    assert "looked for train-images-idx3-ubyte[.gz]" in message
-    assert f"in {given}, {given}/FashionMNIST/raw. Put the four IDX files in {given}" in message
-    assert f"or drop --data-dir to use the system copy in {fmnist_dir}" in message
+    assert "not found: no train-images-idx3-ubyte[.gz]" in message
+    assert f"in {given}, {given}/FashionMNIST/raw: put the four IDX files in --data-dir {given}" in message
+    assert f"drop --data-dir to use the system copy in {fmnist_dir}" in message
     load_source("fmnist", None)  # without --data-dir, the system copy
 
 

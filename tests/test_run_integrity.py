@@ -23,7 +23,7 @@ from peradapt.errors import ConfigError, DataError, Interrupted, RunError, Train
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 
 from .conftest import TINY_BACKBONE
-from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, tiny_args
+from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, snapshot, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,6 +122,32 @@ def test_a_run_directory_in_use_is_refused(two_rounds, tmp_path, fmnist_dir, cap
         )
     code, _, err = run_cli(["eval", "--run", str(run)], capsys, monkeypatch)  # free again
     assert code == 0, err
+
+
+def test_report_refuses_a_run_that_a_train_is_writing(two_rounds, tmp_path, capsys, monkeypatch):
+    finished = copy_of(two_rounds, tmp_path)
+    writing = tmp_path / "writing" / ODD_NAME
+    shutil.copytree(two_rounds, writing)
+    (writing / "report.json").unlink()  # a train still in its rounds: no report.json yet
+    reports = tmp_path / "reports"
+    kept = snapshot(finished)
+    with RunLock(writing, exclusive=True):
+        # What eval, export and personalize say of it, not to --resume it: the train is running.
+        err = expect_refusal(
+            ["report", str(writing)], capsys, monkeypatch, f"{writing} is being written", untouched=writing
+        )
+        assert err.strip().endswith("wait for it to end") and "--resume" not in err, err
+        # Among other runs: nothing is written, in --out or in the finished run.
+        args = ["report", str(finished), str(writing), "--out", str(reports)]
+        expect_refusal(args, capsys, monkeypatch, "being written", untouched=reports)
+        assert snapshot(finished) == kept
+    with RunLock(finished, exclusive=True):  # a finished run that a `train --resume` is rewriting
+        expect_refusal(["report", str(finished)], capsys, monkeypatch, "being written", untouched=finished)
+    with RunLock(finished, exclusive=False):  # an eval reading it: readers share a run
+        code, _, err = run_cli(["report", str(finished), "--out", str(reports)], capsys, monkeypatch)
+        assert code == 0, err
+    # No train holds it any longer: a run stopped before its end is finished with --resume.
+    expect_refusal(["report", str(writing)], capsys, monkeypatch, "has not finished", "--resume", untouched=writing)
 
 
 # ---------------------------------------------------------------- rounds are never relabelled

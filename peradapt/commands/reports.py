@@ -12,6 +12,7 @@ recorded their costs), `summary.md` and `summary.json` into `out`: by default th
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from peradapt.evaluation.plots import (
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.files import ROUND_RECORD, check, damaged, read_json, read_text
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
+from peradapt.rundir.lock import RunLock
 
 DEFAULT_OUT = Path("reports")
 OOD_PREFIX = "ood-"
@@ -46,9 +48,18 @@ def default_out(runs: list[Path]) -> Path:
 
 
 def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
-    """Plots and summary table of finished runs; returns the files written (in `out`, see `default_out`)."""
+    """Plots and summary table of finished runs; returns the files written (in `out`, see `default_out`). Each run
+    is held for reading (`RunLock`) while its files are read and the report written: a run that a `train` is
+    writing is refused, before anything is written."""
     if not runs:
         raise RunError("report needs at least one run directory")
+    with ExitStack() as held:
+        for run in runs:
+            held.enter_context(RunLock(run, exclusive=False))
+        return _build_report(runs, out)
+
+
+def _build_report(runs: list[Path], out: Path | None) -> list[Path]:
     loaded = [_load_run(run) for run in runs]
     _label_runs(loaded)
     out = out if out is not None else default_out(runs)

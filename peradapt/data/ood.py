@@ -52,6 +52,7 @@ from peradapt.data.folders import IMAGE_SUFFIXES
 from peradapt.data.hfdata import load_hf_split
 from peradapt.data.images import ImageSet, fit_images, resize_images
 from peradapt.data.sources import FMNIST_CLASSES, load_source
+from peradapt.data.svhn_stl10 import BY_HAND, missing_labeled
 from peradapt.errors import ConfigError, DataError
 
 OOD_NAMES = ("fmnist-c", "cifar10-c", "cifar10.1", "svhn[:PATH]", "stl10[:PATH]", "imagefolder:PATH", "hf:NAME")
@@ -289,6 +290,12 @@ def _torchvision_set(kind: str, path: Path | None, target: OodTarget, limit: int
     directory = path or target.data_dir
     if directory is None:
         raise DataError(f"{kind} needs its files: pass --ood {kind}:PATH, or train with --data-dir DIR holding them")
+    folder, missing = missing_labeled(kind, directory)  # said here: eval has no --download to offer
+    if missing:
+        raise DataError(
+            f"{kind} not found: no {', '.join(missing)} in {folder}: {BY_HAND[kind].format(dir=directory)}, or pass "
+            f"--ood {kind}:PATH holding them"
+        )
     source = load_source(kind, directory)
     assert source.test is not None
     data, left_out = relabel(source.test, source.classes, target, kind)

@@ -19,6 +19,7 @@ from peradapt.data import folders, hfdata
 from peradapt.data.chexpert import load_chexpert
 from peradapt.data.decode import RESIZES
 from peradapt.data.images import ImageSet, Rows, ScannedSource, SourceData
+from peradapt.data.missing import NEEDS_NETWORK, download_failed, download_needs_data_dir, not_found
 from peradapt.data.officehome import load_office_home
 from peradapt.data.svhn_stl10 import load_stl10, load_stl10_unlabeled, load_svhn
 from peradapt.errors import ConfigError, DataError
@@ -194,12 +195,13 @@ def _check_data_dir(name: str, path: Path, *, download: bool) -> None:
         return
     if path.exists():
         raise DataError(f"--data-dir {path} is a file, not a directory: give the directory that holds {name}")
-    advice = "give the directory that holds its files"
-    if name in _LOADERS:
-        advice += " (or add --download to fetch them into it)"
+    advice = ["give the directory that holds its files"]
     if name == "fmnist":  # the one source with a system copy
-        advice += ", or drop --data-dir to use the system copy (`apt-get install dataset-fashion-mnist`)"
-    raise DataError(f"--data-dir {path} does not exist: {advice}")
+        advice.append("drop --data-dir to use the system copy (`apt-get install dataset-fashion-mnist`)")
+    if name in _LOADERS:  # the sources that --download fetches
+        advice.append(f"add --download to fetch {name} into it {NEEDS_NETWORK}")
+    remedy = advice[0] if len(advice) == 1 else f"{', '.join(advice[:-1])}, or {advice[-1]}"
+    raise DataError(f"--data-dir {path} does not exist: {remedy}")
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -248,18 +250,14 @@ def _load_fmnist(data_dir: Path | None, download: bool) -> SourceData:
         files = _download_fmnist(data_dir)
     if files is None:
         wanted = ", ".join(f"{stem}[.gz]" for stem in _FMNIST_FILES.values())
-        looked_in = ", ".join(str(directory) for directory in search_dirs)
-        if data_dir is None:
-            advice = (
-                "Install it with `apt-get install dataset-fashion-mnist`, pass --data-dir DIR with the four IDX "
-                "files, or add --download (needs a network)"
-            )
-        else:
-            advice = (
-                f"Put the four IDX files in {data_dir}, add --download (needs a network), or drop --data-dir to "
-                f"use the system copy in {DEBIAN_FMNIST_DIR} (`apt-get install dataset-fashion-mnist`)"
-            )
-        raise DataError(f"Fashion-MNIST not found: looked for {wanted} in {looked_in}. {advice}")
+        raise not_found(
+            "Fashion-MNIST",
+            wanted,
+            data_dir,
+            search_dirs,
+            by_hand=_FMNIST_BY_HAND,
+            alternative=_fmnist_system(data_dir),
+        )
     train = _idx_image_set(files["train_images"], files["train_labels"])
     test = _idx_image_set(files["test_images"], files["test_labels"])
     return SourceData(name="fmnist", train=train, test=test, mean=(0.2860,), std=(0.3530,), classes=FMNIST_CLASSES)
@@ -269,6 +267,16 @@ def _fmnist_search_dirs(data_dir: Path | None) -> list[Path]:
     """Where Fashion-MNIST's files are looked for: a --data-dir given is the only place (the user named it: the
     system copy in its stead would train on other data without a word), else the system copy."""
     return [DEBIAN_FMNIST_DIR] if data_dir is None else [data_dir, data_dir / "FashionMNIST" / "raw"]
+
+
+_FMNIST_BY_HAND = "put the four IDX files in {dir}"
+
+
+def _fmnist_system(data_dir: Path | None) -> str:
+    """The remedy of the system copy: installing it, or leaving out the --data-dir that overrides it."""
+    if data_dir is None:
+        return f"install them in {DEBIAN_FMNIST_DIR} with `apt-get install dataset-fashion-mnist`"
+    return f"drop --data-dir to use the system copy in {DEBIAN_FMNIST_DIR} (`apt-get install dataset-fashion-mnist`)"
 
 
 def _find_idx_files(directory: Path) -> dict[str, Path] | None:
@@ -285,15 +293,14 @@ def _find_idx_files(directory: Path) -> dict[str, Path] | None:
 
 def _download_fmnist(data_dir: Path | None) -> dict[str, Path] | None:
     if data_dir is None:
-        raise DataError("--download needs --data-dir DIR to save Fashion-MNIST into")
+        raise download_needs_data_dir("Fashion-MNIST")
     import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
 
     try:
         torchvision.datasets.FashionMNIST(root=data_dir, train=True, download=True)
     except (RuntimeError, OSError) as err:
-        raise DataError(
-            f"could not download Fashion-MNIST into {data_dir} ({err}); without a network, "
-            "use `apt-get install dataset-fashion-mnist` or --data-dir DIR with the four IDX files"
+        raise download_failed(
+            "Fashion-MNIST", data_dir, err, by_hand=_FMNIST_BY_HAND, alternative=_fmnist_system(data_dir)
         ) from err
     return _find_idx_files(data_dir / "FashionMNIST" / "raw")
 
@@ -349,19 +356,22 @@ def normalization_statistics(source: SourceData, constants: str) -> tuple[tuple[
 
 def _load_cifar(name: str, data_dir: Path | None, download: bool) -> SourceData:
     kind = _CIFAR_KINDS[name]
-    if data_dir is None:
-        raise DataError(f"{name} needs --data-dir DIR, with the extracted archive in DIR/{kind.folder}/")
     import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
 
     dataset_class = getattr(torchvision.datasets, kind.class_name)
+    by_hand = f"extract {dataset_class.url} into {{dir}}"
+    if data_dir is None or not (download or (data_dir / kind.folder).is_dir()):
+        raise not_found(name, f"{kind.folder}/", data_dir, by_hand=by_hand, download=download)
     try:
         # torchvision verifies the md5 of every file, which protects runs from damaged user data.
         splits = [dataset_class(root=data_dir, train=train, download=download) for train in (True, False)]
     except (RuntimeError, OSError) as err:
+        if download:
+            raise download_failed(name, data_dir, err, by_hand=by_hand) from err
         raise DataError(
-            f"{name} not found or corrupted: the files must be in {data_dir / kind.folder}/. "
-            f"Get them with --download (needs a network), or download {dataset_class.url}, "
-            f"extract it and copy {kind.folder}/ into {data_dir}/"
+            f"{name} not found or corrupted in {data_dir / kind.folder}/ (a file is missing or fails its md5 "
+            f"check): {by_hand.format(dir=f'--data-dir {data_dir}')} again, or delete {kind.folder}/ and add "
+            f"--download to fetch {name} there {NEEDS_NETWORK}"
         ) from err
     train, test = (_cifar_image_set(split, kind.num_classes) for split in splits)
     classes = tuple(getattr(splits[0], "classes", ()))

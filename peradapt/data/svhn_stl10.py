@@ -14,18 +14,27 @@ downloads. Both are normalized with their own per-channel statistics, computed o
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from peradapt.data.images import ImageSet, SourceData
+from peradapt.data.missing import download_failed, not_found
 from peradapt.errors import DataError
 
 SVHN_FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
 SVHN_CLASSES = tuple(str(digit) for digit in range(10))
 STL10_FOLDER = "stl10_binary"
 STL10_CLASSES = ("airplane", "bird", "car", "cat", "deer", "dog", "horse", "monkey", "ship", "truck")
+_STL10_LABELED = ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
+LABELS = {"svhn": "SVHN", "stl10": "STL-10"}
+# How to get each source's files into a directory `{dir}` without --download.
+BY_HAND = {
+    "svhn": "put them in {dir} (from http://ufldl.stanford.edu/housenumbers/)",
+    "stl10": "extract stl10_binary.tar.gz from https://cs.stanford.edu/~acoates/stl10/ into {dir}",
+}
 _STL10_SIDE = 96
 _STL10_IMAGE_BYTES = 3 * _STL10_SIDE * _STL10_SIDE
 _STATS_CHUNK = 4096
@@ -34,22 +43,21 @@ _STATS_CHUNK = 4096
 def load_svhn(data_dir: Path | None, download: bool) -> SourceData:
     """SVHN's training and test digits, uint8 ``[N, 3, 32, 32]``, labels 0..9."""
     if data_dir is None:
-        raise DataError(
-            "svhn needs --data-dir DIR holding train_32x32.mat and test_32x32.mat (torchvision's layout); "
-            "add --download to fetch them there"
-        )
+        wanted = " and ".join(SVHN_FILES.values())
+        raise not_found(LABELS["svhn"], wanted, None, by_hand=BY_HAND["svhn"], download=download)
     missing = [split for split, file in SVHN_FILES.items() if not (data_dir / file).is_file()]
     if missing and download:
         import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
 
         for split in missing:
-            _fetch("svhn", lambda split=split: torchvision.datasets.SVHN(root=data_dir, split=split, download=True))
-    missing = [file for file in SVHN_FILES.values() if not (data_dir / file).is_file()]
+            _fetch(
+                "svhn",
+                data_dir,
+                functools.partial(torchvision.datasets.SVHN, root=data_dir, split=split, download=True),
+            )
+    _, missing = missing_labeled("svhn", data_dir)
     if missing:
-        raise DataError(
-            f"SVHN not found: no {' or '.join(missing)} in {data_dir}. Add --download (needs a network), or get "
-            "them from http://ufldl.stanford.edu/housenumbers/ into that directory"
-        )
+        raise not_found(LABELS["svhn"], " or ".join(missing), data_dir, by_hand=BY_HAND["svhn"])
     train, test = (_svhn_split(data_dir / SVHN_FILES[split]) for split in ("train", "test"))
     mean, std = channel_stats(train.images)
     return SourceData("svhn", train, test, mean, std, classes=SVHN_CLASSES)
@@ -77,7 +85,7 @@ def _svhn_split(path: Path) -> ImageSet:
 
 def load_stl10(data_dir: Path | None, download: bool) -> SourceData:
     """STL-10's labeled training and test images, uint8 ``[N, 3, 96, 96]``, labels 0..9."""
-    folder = _stl10_folder(data_dir, download, ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin"))
+    folder = _stl10_folder(data_dir, download, _STL10_LABELED)
     train, test = (_stl10_labeled(folder, split) for split in ("train", "test"))
     mean, std = channel_stats(train.images)
     return SourceData("stl10", train, test, mean, std, classes=_stl10_classes(folder))
@@ -94,28 +102,36 @@ def load_stl10_unlabeled(data_dir: Path | None, download: bool) -> SourceData:
 
 def _stl10_folder(data_dir: Path | None, download: bool, files: tuple[str, ...]) -> Path:
     if data_dir is None:
-        raise DataError(
-            f"stl10 needs --data-dir DIR holding {STL10_FOLDER}/ (torchvision's layout); add --download to fetch it"
-        )
+        raise not_found(LABELS["stl10"], f"{STL10_FOLDER}/", None, by_hand=BY_HAND["stl10"], download=download)
     folder = data_dir / STL10_FOLDER
     if download and not all((folder / file).is_file() for file in files):
         import torchvision  # deferred: importing torchvision costs start-up time that most commands never need
 
-        _fetch("stl10", lambda: torchvision.datasets.STL10(root=data_dir, split="train", download=True))
+        _fetch(
+            "stl10",
+            data_dir,
+            functools.partial(torchvision.datasets.STL10, root=data_dir, split="train", download=True),
+        )
     missing = [file for file in files if not (folder / file).is_file()]
     if missing:
-        raise DataError(
-            f"STL-10 not found: no {', '.join(missing)} in {folder}. Add --download (needs a network), or extract "
-            f"stl10_binary.tar.gz from https://cs.stanford.edu/~acoates/stl10/ into {data_dir}"
-        )
+        raise not_found(LABELS["stl10"], ", ".join(missing), data_dir, [folder], by_hand=BY_HAND["stl10"])
     return folder
 
 
-def _fetch(name: str, download) -> None:
+def missing_labeled(kind: str, data_dir: Path) -> tuple[Path, list[str]]:
+    """Where source `kind` (svhn or stl10) reads its labeled training and test files under `data_dir`, and which of
+    them are not there."""
+    folder, files = (
+        (data_dir, tuple(SVHN_FILES.values())) if kind == "svhn" else (data_dir / STL10_FOLDER, _STL10_LABELED)
+    )
+    return folder, [file for file in files if not (folder / file).is_file()]
+
+
+def _fetch(name: str, data_dir: Path, download) -> None:
     try:
         download()
     except (RuntimeError, OSError) as err:
-        raise DataError(f"could not download {name} ({err}); without a network, copy its files to --data-dir") from err
+        raise download_failed(LABELS[name], data_dir, err, by_hand=BY_HAND[name]) from err
 
 
 def _stl10_labeled(folder: Path, split: str) -> ImageSet:

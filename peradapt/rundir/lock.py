@@ -1,9 +1,9 @@
 """Guards of a run directory: one writer at a time, and Ctrl-C only between consistent states.
 
 `RunLock` is an advisory lock (`flock`) on the run directory itself, so it leaves no file behind and dies with its
-process (a `kill -9` never leaves a stale lock). `train` holds it exclusively for the whole run; `eval`, `export`
-and `personalize` hold it shared, so they refuse a directory a `train` is writing, and a `train` refuses one they
-are reading. Systems without `flock` (Windows) get no lock.
+process (a `kill -9` never leaves a stale lock). `train` holds it exclusively for the whole run; `eval`, `export`,
+`personalize` and `report` hold it shared, so they refuse a directory a `train` is writing, and a `train` refuses one
+they are reading. Systems without `flock` (Windows) get no lock.
 
 `deferred_interrupts` holds back Ctrl-C (SIGINT) while a round's record and checkpoint are written, so that an
 interrupted run stops after a whole round or before it, never between a checkpoint and its client store.
@@ -55,8 +55,8 @@ class RunLock:
             os.close(fd)
             if self.exclusive:
                 raise RunError(
-                    f"{self.run_dir} is in use by another peradapt process (a train writing it, or an eval, export "
-                    "or personalize reading it): wait for it to end, or pass another --out"
+                    f"{self.run_dir} is in use by another peradapt process (a train writing it, or an eval, export, "
+                    "personalize or report reading it): wait for it to end, or pass another --out"
                 ) from None
             raise RunError(
                 f"{self.run_dir} is being written by a running `peradapt train`: wait for it to end"
