@@ -1,26 +1,34 @@
 """peradapt: personalized federated learning with adapters on frozen pretrained backbones.
 
 The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`; see
-`peradapt.api`) does what the commands do. Importing peradapt registers the residual adapter with PEFT (so exported
-adapters load with a plain `peft.PeftModel.from_pretrained`), the narrow ResNets (`resnet18_w16`, ...) with timm, and
-the built-in methods (so that a config knows their settings, `peradapt.config.METHODS`). A method of one's own
-subclasses `Method` or `LocalSGDMethod`, or a built-in method (`method_class("fedavg")`), and runs as
-`--method module:Class` (docs/ADDING_A_METHOD.md).
+`peradapt.api`) does what the commands do. After `import peradapt`, exported adapters load with a plain
+`peft.PeftModel.from_pretrained` and the narrow ResNets (`resnet18_w16`, ...) with `timm.create_model`: the residual
+adapter is registered with PEFT, and those backbones with timm, when PEFT and timm are imported (before or after
+peradapt; `peradapt.imports`). The built-in methods are registered when the method registry is first read, so that a
+config knows their settings (`peradapt.config.METHODS`). A method of one's own subclasses `Method` or
+`LocalSGDMethod`, or a built-in method (`method_class("fedavg")`), and runs as `--method module:Class`
+(docs/ADDING_A_METHOD.md).
+
+What the package exports from the layers below is imported when first used, so that `import peradapt` (which the
+command line does first) starts without torch, PEFT and timm: `peradapt --help` needs none of them.
 """
 
-# ruff: noqa: E402  (the first line below runs before the imports of torch, timm and PEFT that follow it)
+# ruff: noqa: E402  (the first line below runs before any import that may take seconds)
 from peradapt.errors import quiet_interrupts_while_starting
 
 quiet_interrupts_while_starting()
 
-from typing import Any
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from peradapt import backbones as _backbones  # noqa: F401  (registers narrow ResNets with timm)
-from peradapt import methods as _methods  # noqa: F401  (registers the built-in methods and their settings)
-from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.config import TrainConfig
 from peradapt.errors import PeradaptError
-from peradapt.methods import LocalSGDMethod, Method, method_class, register
+from peradapt.imports import when_imported
+
+if TYPE_CHECKING:
+    from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
+    from peradapt.methods import LocalSGDMethod, Method, method_class, register
 
 __version__ = "0.1.0"
 
@@ -51,10 +59,40 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The API's functions, imported when first used: the command line starts without the training stack."""
-    if name in _API:
-        from peradapt import api
+# Where each of the names above that is imported when first used is defined.
+_LAZY = {
+    **dict.fromkeys(_API, "api"),
+    **dict.fromkeys(("AdaptedModel", "AdapterState", "inject_adapters"), "adapters"),
+    **dict.fromkeys(("LocalSGDMethod", "Method", "method_class", "register"), "methods"),
+}
 
-        return getattr(api, name)
-    raise AttributeError(f"module 'peradapt' has no attribute '{name}'")
+
+def __getattr__(name: str) -> Any:
+    """The API's functions, the adapters' and the methods' names, imported when first used: the command line starts
+    without the training stack."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'peradapt' has no attribute '{name}'")
+    value = getattr(importlib.import_module(f"peradapt.{_LAZY[name]}"), name)
+    globals()[name] = value  # found without this function from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def _register_adapters(peft: ModuleType) -> None:
+    """Every LoraConfig of peradapt's adapters registers their layers with PEFT (`peradapt.adapters.residual`): a
+    plain `PeftModel.from_pretrained` rebuilds them."""
+    from peradapt.adapters import vit  # noqa: F401  (it imports residual; each adds its layer)
+
+
+def _register_backbones(timm: ModuleType) -> None:
+    """timm builds the narrow ResNets (`resnet18_w16`, ...) and tiny ViTs (`vit_tiny_p4_32`) by name."""
+    from peradapt import backbones  # noqa: F401  (registers them with timm)
+
+
+# Now if PEFT and timm are imported already, else right after their import, by whatever imports them (peradapt's own
+# modules included).
+when_imported("peft", _register_adapters)
+when_imported("timm", _register_backbones)

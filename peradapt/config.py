@@ -7,13 +7,15 @@ sections, so a config file (YAML or JSON) and the command-line flags use the sam
 
 The sections hold what the engine and several methods use. A method's own settings (FedDyn's α, pFedMe's K, ...)
 are a dataclass in the method's own file, its `Method.settings_class`. The method registry is `METHODS` here (which
-`peradapt.methods` fills and re-exports), so their keys are known here without importing the layer above, and
-`TrainConfig.method_settings` holds the chosen method's. A method's setting given to another method is refused.
+`peradapt.methods` fills and re-exports, imported by the registry when it is first read), so their keys are known
+here without this module importing the layer above, and `TrainConfig.method_settings` holds the chosen method's. A
+method's setting given to another method is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -100,22 +102,24 @@ class PluginFinder(Protocol):
 
 class MethodRegistry(MutableMapping[str, Any]):
     """Every method's class by its `--method` name. `peradapt.methods.base.register` adds each built-in one as it
-    is defined (importing peradapt registers them); plugins (`module:Class` names, entry points of group
-    `peradapt.methods`) are added by the finder the methods layer installs when they are looked up, and every
-    installed one when the registry is listed. The config reads only their `settings_class` (a dataclass of
-    `setting` fields), so flags, config files and config.json know the settings of whatever methods are registered
-    when they are read."""
+    is defined, when the registry is first read: it imports the package of the built-in methods (`built_in`), whose
+    modules register them and install the plugin finder. Plugins (`module:Class` names, entry points of group
+    `peradapt.methods`) are added by that finder when they are looked up, and every installed one when the registry
+    is listed. The config reads only their `settings_class` (a dataclass of `setting` fields), so flags, config files
+    and config.json know the settings of whatever methods are registered when they are read."""
 
-    def __init__(self) -> None:
+    def __init__(self, built_in: str | None = None) -> None:
         self._classes: dict[str, Any] = {}
         self._sources: dict[str, str] = {}
         self.finder: PluginFinder | None = None
+        self.built_in = built_in
 
     def __getitem__(self, name: str) -> Any:
         self._find(name)
         return self._classes[name]
 
     def __iter__(self) -> Iterator[str]:
+        self._import_built_in()
         for name in self.finder.installed() if self.finder is not None else ():
             self._find(name)
         return iter(list(self._classes))
@@ -140,6 +144,7 @@ class MethodRegistry(MutableMapping[str, Any]):
 
     def _find(self, name: str) -> None:
         """Register plugin `name` if the finder knows it and it is not registered yet."""
+        self._import_built_in()
         if name not in self._classes and self.finder is not None and isinstance(name, str):
             found = self.finder.find(name)
             if found is not None:
@@ -147,11 +152,22 @@ class MethodRegistry(MutableMapping[str, Any]):
 
     def loaded(self) -> dict[str, Any]:
         """The methods registered so far, finding none: what a plugin being loaded is checked against."""
+        self._import_built_in()
         return dict(self._classes)
 
+    def _import_built_in(self) -> None:
+        """Import the built-in methods' package, which registers them, at every read: once it is imported this is a
+        look-up in `sys.modules`. While it is being imported, this thread (a built-in method's registration checks
+        its settings against the methods registered so far) gets the methods registered so far, and any other thread
+        waits for the import to finish."""
+        if self.built_in is not None:
+            importlib.import_module(self.built_in)
 
-# The method registry: built-in methods and plugins (`MethodRegistry`).
-METHODS = MethodRegistry()
+
+# The method registry: built-in methods and plugins (`MethodRegistry`). The built-in ones are imported when it is
+# first read, not with the config: `import peradapt` and `peradapt --help` need no method's rules, nor the torch
+# those import.
+METHODS = MethodRegistry(built_in="peradapt.methods")
 
 
 def method_path_label(method: str) -> str:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "peradapt"
 # Bottom to top. A unit (a subpackage, or a top-level module) may import only units listed before it; the root
 # package `peradapt` (the public facade: `peradapt.train`, ...) sits on top of everything.
 LAYERS = [
-    ["errors", "home", "progress", "seeds"],
+    ["errors", "home", "imports", "progress", "seeds"],
     ["settings"],
     ["config"],
     ["presets"],

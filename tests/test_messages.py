@@ -151,7 +151,9 @@ def test_a_config_directory_is_called_one(tmp_path, capsys, monkeypatch):
     expect_user_error(["train", "--config", str(tmp_path)], capsys, monkeypatch, "is a directory")
 
 
-def test_without_transformers_import_peradapt_names_the_install():
+def test_without_transformers_the_adapters_name_the_install():
+    """`import peradapt` imports no adapter (nor PEFT, which imports transformers); the adapters, which every command
+    that trains or loads a model imports, say what is missing."""
     blocker = textwrap.dedent(
         """
         import sys
@@ -163,6 +165,7 @@ def test_without_transformers_import_peradapt_names_the_install():
 
         sys.meta_path.insert(0, NoTransformers())
         import peradapt
+        from peradapt import inject_adapters
         """
     )
     done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300)

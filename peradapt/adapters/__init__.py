@@ -1,27 +1,45 @@
-"""Adapters injected into a frozen backbone through PEFT, and their flat state dicts."""
+"""Adapters injected into a frozen backbone through PEFT, and their flat state dicts.
 
+The states and their arithmetic (`peradapt.adapters.state`) need torch alone and are imported at once: the methods,
+the trainer and the client store name them, and `peradapt methods` and `peradapt train --help` import the methods
+without PEFT and timm. The rest (PEFT's layers, `AdaptedModel`, `inject_adapters`) is imported when first used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from peradapt.adapters.state import AdapterState, average_states, state_nbytes, state_to, state_to_cpu
+
+if TYPE_CHECKING:
+    from peradapt.adapters.model import ADAPTER_KINDS, SCOPES, AdaptedModel, default_adapter_kind, inject_adapters
+    from peradapt.adapters.residual import RESIDUAL_INIT, ResidualAdapterLayer
+    from peradapt.adapters.vit import BottleneckAdapterLayer
+
+# PEFT imports transformers at once (and requires it: pip installs it with peradapt), so only an environment it was
+# removed from lacks it; without PEFT no adapter exists. Looked for (not imported) here, so that such an environment
+# says what to install rather than failing inside PEFT.
 try:
-    import peft  # noqa: F401  (imported first here, so that a broken environment says what to install)
-except ModuleNotFoundError as missing:
-    # PEFT imports transformers at once (and requires it: pip installs it with peradapt), so only an environment it
-    # was removed from lacks it; without PEFT no adapter exists, so peradapt cannot start.
-    if (missing.name or "").partition(".")[0] != "transformers":
-        raise
+    _TRANSFORMERS = importlib.util.find_spec("transformers")
+except ModuleNotFoundError:  # an import hook that refuses it
+    _TRANSFORMERS = None
+if _TRANSFORMERS is None:
     raise ImportError(
         "peradapt needs transformers, which PEFT imports and this environment lacks: pip install 'peradapt[hf]'"
-    ) from None
+    )
 
-from peradapt.adapters.model import (
-    ADAPTER_KINDS,
-    SCOPES,
-    AdaptedModel,
-    AdapterState,
-    default_adapter_kind,
-    inject_adapters,
-)
-from peradapt.adapters.residual import RESIDUAL_INIT, ResidualAdapterLayer
-from peradapt.adapters.state import average_states, state_nbytes, state_to, state_to_cpu
-from peradapt.adapters.vit import BottleneckAdapterLayer
+# The names of the modules that import PEFT, by the module that defines them.
+_LAZY = {
+    "ADAPTER_KINDS": "model",
+    "SCOPES": "model",
+    "AdaptedModel": "model",
+    "default_adapter_kind": "model",
+    "inject_adapters": "model",
+    "RESIDUAL_INIT": "residual",
+    "ResidualAdapterLayer": "residual",
+    "BottleneckAdapterLayer": "vit",
+}
 
 __all__ = [
     "ADAPTER_KINDS",
@@ -38,3 +56,16 @@ __all__ = [
     "state_to",
     "state_to_cpu",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The names whose modules import PEFT (and timm), imported when first used."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value  # found without this function from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

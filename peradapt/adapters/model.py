@@ -23,11 +23,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from peradapt.adapters.residual import RESIDUAL_INIT
+from peradapt.adapters.state import AdapterState
 from peradapt.adapters.vit import block_layer_norms, is_vit, linear_layers, mlp_outputs
 from peradapt.backbones import classifier_name
 from peradapt.errors import ConfigError, WeightsError
 
-AdapterState = dict[str, torch.Tensor]
 ADAPTER_KINDS = ("residual", "lora", "none")
 SCOPES = ("adapter", "full")
 FULL_MODEL_FILE = "model.safetensors"
@@ -91,6 +91,10 @@ class AdaptedModel:
     def base_model(self) -> nn.Module:
         """The network without PEFT's wrapper (itself when no adapter is injected: `--adapter none`)."""
         return self.module.get_base_model() if isinstance(self.module, PeftModel) else self.module
+
+    def classifier_name(self) -> str:
+        """The classifier's module name in `module`, the prefix of its entries in a state (PEFT's wrapper included)."""
+        return classifier_name(self.module)
 
     def backbone_state(self) -> dict[str, torch.Tensor]:
         """The base network's own tensors under its own names (PEFT keeps them as `base_layer` / `original_module`

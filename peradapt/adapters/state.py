@@ -1,4 +1,5 @@
-"""Arithmetic on adapter states (flat dicts of tensors)."""
+"""Adapter states (flat dicts of tensors) and arithmetic on them: torch alone, without PEFT, so that the methods, the
+trainer and the client store that name them import without PEFT and timm."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from peradapt.adapters.model import AdapterState
+# A client's adapter: the PEFT model's trainable parameter and buffer names -> tensors (`peradapt.adapters.model`).
+AdapterState = dict[str, torch.Tensor]
 
 
 def average_states(states: Sequence[AdapterState], weights: Sequence[float] | None = None) -> AdapterState:

@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peradapt.adapters import AdaptedModel, AdapterState
+from peradapt.adapters import AdapterState
 from peradapt.compute.costs import training_flops
 from peradapt.compute.metrics import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
 from peradapt.data.batches import AUGMENTATIONS, augment_batch
 from peradapt.errors import TrainingDiverged
 
-if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modules
+if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modules; the model's module imports PEFT
+    from peradapt.adapters import AdaptedModel
     from peradapt.compute.privacy import PrivateTraining
 
 

@@ -43,13 +43,12 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from peradapt.adapters import AdaptedModel, AdapterState
-from peradapt.backbones import classifier_name
+from peradapt.adapters import AdapterState
 from peradapt.compute.trainer import ParameterGroup, SGDJob, SGDResult
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
@@ -64,6 +63,9 @@ from peradapt.methods.base import (
 )
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.settings import Search, setting
+
+if TYPE_CHECKING:  # annotations only: the model's module imports PEFT, which listing the methods does not need
+    from peradapt.adapters import AdaptedModel
 
 EXTRACTOR = "extractor"  # LG-FedAvg's personal part: no --personal-part value, only a method default
 PERSONAL_PARTS = ("bn", "head", "input", "output", "adapter")
@@ -82,7 +84,7 @@ def personal_keys(model: AdaptedModel, part: str) -> list[str]:
         norms = {n for n, module in model.module.named_modules() if isinstance(module, _BatchNorm | nn.LayerNorm)}
         return [k for k in keys if k.rpartition(".")[0] in norms]
     if part in ("head", "output", EXTRACTOR):
-        head = classifier_name(model.module) + "."
+        head = model.classifier_name() + "."
         return [k for k in keys if k.startswith(head) == (part != EXTRACTOR)]
     if part == "input":
         return [k for k in keys if ADAPTER_MARK not in k and set(k.split(".")) & set(INPUT_MODULES)]
