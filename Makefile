@@ -2,6 +2,8 @@
 # `make test`: install what the tests need and run the whole suite (what CI runs).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# The `peradapt` command that `pip install` puts beside this Python (a venv's bin/), as a user runs it.
+PERADAPT = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/peradapt
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DEMO_RUN ?= runs/demo
@@ -20,9 +22,9 @@ fmnist:
 		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist)
 
 demo: install fmnist
-	$(PYTHON) -m peradapt pretrain --data fmnist --backbone resnet18_w16 --epochs 2
+	$(PERADAPT) pretrain --data fmnist --backbone resnet18_w16 --epochs 2
 	rm -rf $(DEMO_RUN)
-	$(PYTHON) -m peradapt train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
+	$(PERADAPT) train --config examples/fmnist-demo.yaml --out $(DEMO_RUN)
 
 # The real Fashion-MNIST lets a few more tests run; without it they are skipped, so a failed install is no error.
 # One pytest-xdist worker per core, a test file to a worker (its module fixtures, such as trained runs, made once).

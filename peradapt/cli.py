@@ -5,18 +5,17 @@ from __future__ import annotations
 import inspect
 import json
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
-import typer.core
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from peradapt import api
-from peradapt.config import listed_settings, search_space
+from peradapt.config import COMPARE_SETS, listed_settings, search_space
 from peradapt.errors import INTERRUPTED_BEFORE_WRITING, ConfigError, Interrupted, PeradaptError, interrupts_raise
 from peradapt.methods import METHODS, method_class
 from peradapt.methods.base import trains_by_sgd_jobs
@@ -25,35 +24,115 @@ from peradapt.presets import PRESETS
 from peradapt.progress import counted, text_console
 from peradapt.settings import Setting, declared_settings
 
-try:
-    from typer import TyperException as UsageError  # typer >= 0.26, which vendors click
-except ImportError:  # older typer (flwr 1.41 pins typer < 0.21): click's own exceptions
-    from click import ClickException as UsageError
+try:  # what a command-line mistake raises: Typer >= 0.26 vendors click and raises its own exceptions
+    from typer import TyperException as CommandLineError
+except ImportError:  # older Typer (Flower pins typer < 0.21) raises click's
+    from click import ClickException as CommandLineError
 
+# Help texts are rich markup (the same mode on every Typer release): `Opt`, `Arg` and `command` escape what we write,
+# so that brackets print as written ("needs peradapt[hf-data]", "[default: ...]") and `*`, `_`, `<class>` stay text.
 app = typer.Typer(
     help="Personalized federated learning with adapters (PerAda and friends) on frozen pretrained backbones.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
 )
 # Text, never markup: paths and names a user typed may hold brackets (see peradapt.progress).
 out_console = text_console()
 err_console = text_console(stderr=True, soft_wrap=True)  # paths and messages stay on one line in logs
 
-
-class PlainTextCommand(typer.core.TyperCommand):
-    """A command whose help texts print as written, brackets included ("needs peradapt[hf-data]"). Typer's rich
-    help parses markup in them, and its only other modes (Markdown, or none: click's plain help without panels)
-    would read `*`, `_` and `<class>` or lose the panels; so every text is escaped once, here."""
-
-    def __init__(self, *args: Any, params: list[Any], help: str | None = None, **kwargs: Any) -> None:
-        for param in params:  # Typer's options and arguments (click's, or the click Typer vendors)
-            if isinstance(param, (typer.core.TyperOption, typer.core.TyperArgument)) and param.help:
-                param.help = escape(param.help)
-        super().__init__(*args, params=params, help=escape(help) if help else help, **kwargs)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-Opt = typer.Option
+def Opt(*names: str, help: str | None = None, **details: Any) -> Any:
+    """`typer.Option` with its help printed as written."""
+    return typer.Option(*names, help=None if help is None else escape(help), **details)
+
+
+def Arg(*, help: str, **details: Any) -> Any:
+    """`typer.Argument` with its help printed as written."""
+    return typer.Argument(help=escape(help), **details)
+
+
+def command(name: str | None = None, **details: Any) -> Callable[[F], F]:
+    """Register a command whose docstring is its help, printed as written."""
+
+    def register(function: F) -> F:
+        return app.command(name, help=escape(inspect.getdoc(function) or ""), **details)(function)
+
+    return register
+
+
+# The commands that take a flag per setting: their own parameters and the settings whose flags they hide.
+_TAKE_SETTINGS: dict[Callable[..., Any], tuple[list[inspect.Parameter], frozenset[str]]] = {}
+
+
+def takes_settings(hidden: Collection[str] = ()) -> Callable[[F], F]:
+    """A command that also takes one flag per declared setting, each in its setting's help panel, but where it has a
+    parameter of that name itself; the function gets them as keyword arguments (`**settings`), None where a flag was
+    not given. The flags of `hidden` are not shown: the command refuses them with its own explanation."""
+
+    def declare(function: F) -> F:
+        parameters = inspect.signature(function, eval_str=True).parameters.values()
+        own = [parameter for parameter in parameters if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+        _TAKE_SETTINGS[function] = own, frozenset(hidden)
+        _add_setting_flags(function)
+        return function
+
+    return declare
+
+
+def add_setting_flags() -> None:
+    """Give the commands that take settings a flag for every setting of the methods registered now (`main` calls it
+    once the plugins that the command line names are registered)."""
+    for function in _TAKE_SETTINGS:
+        _add_setting_flags(function)
+
+
+def _add_setting_flags(function: Callable[..., Any]) -> None:
+    # Typer reads a command's options from its function's signature (`inspect.signature`, which honours
+    # `__signature__`): the generated flags are keyword parameters of it, each annotated with its `typer.Option`.
+    own, hidden = _TAKE_SETTINGS[function]
+    names = {parameter.name for parameter in own}
+    flags = [
+        _setting_parameter(declared, panel, hidden=declared.name in hidden)
+        for declared, panel in listed_settings()
+        if declared.flag and declared.name not in names
+    ]
+    function.__signature__ = inspect.Signature([*own, *flags])  # type: ignore[attr-defined]
+
+
+def _setting_parameter(declared: Setting, panel: str, *, hidden: bool) -> inspect.Parameter:
+    """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`), a list
+    for a repeatable flag; default None, so that a flag not given leaves the preset's or config file's value."""
+    help_text = declared.help_text()
+    if declared.base_type != "bool" and (declared.default is not None or declared.shown_default is not None):
+        help_text += f" [default: {declared.default_text()}]"
+    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+    value = str if declared.auto else kinds[declared.base_type]
+    option = Opt(
+        declared.flag_name,
+        help=help_text,
+        metavar=declared.metavar,
+        rich_help_panel=panel,
+        show_default=False,
+        hidden=hidden,
+    )
+    annotation: Any = list[value] if declared.repeatable else value  # type: ignore[valid-type]
+    return inspect.Parameter(
+        declared.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation | None, option]
+    )
+
+
+def given_settings(flags: dict[str, Any]) -> dict[str, Any]:
+    """The settings a command line gave: a switch is on or not given, a repeatable flag not given is empty."""
+    # identity for None and False: 0 == False, and --rounds 0 is given
+    return {
+        key: value for key, value in flags.items() if value is not None and value is not False and value not in ((), [])
+    }
+
+
 INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation; partition.json has them all
 RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
 RunWeights = Annotated[
@@ -68,7 +147,7 @@ RunWeights = Annotated[
 ]
 
 
-@app.command(cls=PlainTextCommand)
+@command()
 def pretrain(
     data: Annotated[str, Opt(help="Dataset whose labeled pretraining split trains the backbone.")] = "fmnist",
     backbone: Annotated[
@@ -109,52 +188,14 @@ def pretrain(
     if replaced:  # runs record their backbone's fingerprint and keep a copy: they do not move to the new weights
         out_console.print(
             f"it replaces the weights that were there; runs trained on those keep using them "
-            f"(pinned under {pinned_weights_path('').parent})"
+            f"(pinned under {pinned_weights_path('').parent})",
+            soft_wrap=True,
         )
 
 
-class TrainCommand(PlainTextCommand):
-    """`train`: the options its function declares, then one per setting, generated from the declarations when the
-    command is built (the shared config's and every registered method's), each in its help panel. The function gets
-    its own options; it reads the settings from the context."""
-
-    def __init__(self, *args: Any, params: list[Any], **kwargs: Any) -> None:
-        self.own_options = {param.name for param in params}
-        options = [_setting_option(declared, panel) for declared, panel in listed_settings() if declared.flag]
-        super().__init__(*args, params=[*params, *options], **kwargs)
-
-    def invoke(self, ctx: typer.Context) -> Any:
-        assert self.callback is not None
-        return ctx.invoke(self.callback, **{k: v for k, v in ctx.params.items() if k in self.own_options})
-
-
-def _setting_option(declared: Setting, panel: str) -> typer.core.TyperOption:
-    """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`);
-    default None, so that a flag not given leaves the preset's or config file's value."""
-    help_text = declared.help_text()
-    if declared.base_type != "bool" and (declared.default is not None or declared.shown_default is not None):
-        help_text += f" [default: {declared.default_text()}]"
-    kinds = {"bool": bool, "int": int, "float": float, "str": str}
-    return typer.core.TyperOption(
-        param_decls=[declared.flag_name, declared.name],
-        type=None if declared.base_type == "bool" else str if declared.auto else kinds[declared.base_type],
-        is_flag=declared.base_type == "bool",
-        multiple=declared.repeatable,
-        default=None,
-        help=help_text,
-        metavar=declared.metavar,
-        rich_help_panel=panel,
-    )
-
-
-def given_settings(context: typer.Context, *, leave_out: Collection[str]) -> dict[str, Any]:
-    """The settings a command line gave (a repeatable flag not given is an empty tuple)."""
-    return {k: v for k, v in context.params.items() if k not in leave_out and v is not None and v != ()}
-
-
-@app.command(cls=TrainCommand)
+@command()
+@takes_settings()
 def train(
-    context: typer.Context,
     resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     preset: Annotated[
         str | None,
@@ -164,10 +205,10 @@ def train(
         ),
     ] = None,
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
+    **settings: Any,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    settings = given_settings(context, leave_out=("resume", "config", "preset"))
-    train_config = api.training_config(resume=resume, preset=preset, config_file=config, **settings)
+    train_config = api.training_config(resume=resume, preset=preset, config_file=config, **given_settings(settings))
     report = api.train(train_config, resume=resume, console=err_console)
     from peradapt.evaluation import cost_summary, results_table
 
@@ -186,9 +227,9 @@ def train(
     out_console.print(f"run directory: {train_config.out}", soft_wrap=True)
 
 
-@app.command(cls=PlainTextCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@command()
+@takes_settings(hidden=COMPARE_SETS)
 def compare(
-    context: typer.Context,
     methods: Annotated[str, Opt(help="Comma-separated methods, e.g. perada,perada-nokd,ditto.", show_default=False)],
     seeds: Annotated[int, Opt(help="Seeds 0..N-1; each fixes the partition shared by all methods.")] = 3,
     out: Annotated[Path, Opt(help="Directory for the runs, the trials and compare.json / compare.md / PNGs.")] = Path(
@@ -222,25 +263,18 @@ def compare(
     ] = True,
     ood: Annotated[str | None, Opt(help="Also score every run on this OOD set (as `peradapt eval --ood`).")] = None,
     ood_limit: Annotated[int | None, Opt(help="With --ood: at most N images of each corruption and severity.")] = None,
+    **settings: Any,
 ) -> None:
     """Tune, repeat and cost several methods on the same partitions and seeds, and print the ranked comparison.
 
-    Any `peradapt train` flag (--data, --clients, --rounds, --budget, --limit-samples, ...) after these applies to
-    every run; a method's own setting (--feddyn-alpha, ...) to the runs of the methods that take it, and is then
-    not tuned. 10% of the clients are held out of training for the new-client accuracy unless --holdout-clients is
-    given. docs/METHODS.md, "Comparing methods", says what each number is.
+    The `peradapt train` flags (--data, --clients, --rounds, --budget, --limit-samples, ...) apply to every run, but
+    for those compare sets itself (--method, --seed, --out, --eval-split); a method's own setting (--feddyn-alpha,
+    ...) applies to the runs of the methods that take it, and is then not tuned. 10% of the clients are held out of
+    training for the new-client accuracy unless --holdout-clients is given. docs/METHODS.md, "Comparing methods",
+    says what each number is.
     """
     from peradapt.commands.comparison import rich_table
 
-    train_command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
-    try:
-        flags = train_command.make_context("train", list(context.args)).params
-    except UsageError as exc:
-        raise ConfigError(f"compare: {exc.format_message()}") from None  # type: ignore[attr-defined]
-    if flags.pop("resume") or flags.get("config"):
-        raise ConfigError("compare takes --config itself and cannot --resume: re-run it to finish missing runs")
-    flags.pop("config")
-    settings = {k: v for k, v in flags.items() if v is not None}
     names = [name.strip() for name in methods.split(",") if name.strip()]
     result = api.compare(
         names,
@@ -255,7 +289,7 @@ def compare(
         ood=ood,
         ood_limit=ood_limit,
         console=err_console,
-        **settings,
+        **given_settings(settings),
     )
     if tune_only:
         out_console.print(f"trials done: {', '.join(result['methods'])}", soft_wrap=True)
@@ -266,7 +300,7 @@ def compare(
     out_console.print(f"written to {out / 'compare.json'}, {out / 'compare.md'} and PNGs", soft_wrap=True)
 
 
-@app.command("eval", cls=PlainTextCommand)
+@command("eval")
 def evaluate(
     run: RunDir,
     ood: Annotated[
@@ -298,7 +332,7 @@ def evaluate(
     out_console.print(f"written to {run / 'eval.json'}", soft_wrap=True)
 
 
-@app.command(cls=PlainTextCommand)
+@command()
 def export(
     run: RunDir,
     out: Annotated[Path, Opt(help="Directory to write the adapters and backbone to.", show_default=False)],
@@ -354,7 +388,7 @@ def export(
         out_console.print(f"uploaded to {url}", soft_wrap=True)
 
 
-@app.command(cls=PlainTextCommand)
+@command()
 def personalize(
     run: RunDir,
     new_client: Annotated[
@@ -385,12 +419,13 @@ def personalize(
         privacy = result["privacy"]
         out_console.print(
             f"differential privacy: ε = {privacy['epsilon']:.2f} at δ = {privacy['delta']:g} "
-            f"({privacy['steps']} DP-SGD steps on its data)"
+            f"({privacy['steps']} DP-SGD steps on its data)",
+            soft_wrap=True,
         )
     out_console.print(f"personalized model written to {result['adapter']}", soft_wrap=True)
 
 
-@app.command(cls=PlainTextCommand)
+@command()
 def info(
     run: Annotated[
         Path | None, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)
@@ -431,12 +466,15 @@ def info(
     if resolved.get("classes") and partition.get("histograms_of", "classes") == "classes":  # the histograms' order
         out_console.print(f"classes: {', '.join(resolved['classes'])}", soft_wrap=True)
     skew = label_skew([c["train_histogram"] for c in partition["clients"]])
-    out_console.print(f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}")
+    out_console.print(
+        f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}", soft_wrap=True
+    )
     if resolved.get("backbone_parameters") and "trainable_parameters" in resolved:
         trainable, total = resolved["trainable_parameters"], resolved["backbone_parameters"]
         out_console.print(
             f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
-            f"adapter: {resolved['adapter']}, scope: {resolved.get('scope', 'adapter')}"
+            f"adapter: {resolved['adapter']}, scope: {resolved.get('scope', 'adapter')}",
+            soft_wrap=True,  # a terminal wraps it; rich would break it between "scope:" and its value
         )
     if "client_store" in resolved:
         where = f" ({run / 'client_store'})" if resolved["client_store"] == "disk" else ", in the checkpoints"
@@ -445,7 +483,8 @@ def info(
         counts = resolved["parameter_counts"]
         out_console.print(
             f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
-            f"{counts['communicated']:,} communicated parameters"
+            f"{counts['communicated']:,} communicated parameters",
+            soft_wrap=True,
         )
     if config.privacy.enabled:
         dp = config.privacy
@@ -478,10 +517,10 @@ def _print_preset(name: str) -> None:
     console.print(f"from the authors' {record['source']}", soft_wrap=True, highlight=False, markup=False)
 
 
-@app.command("methods", cls=PlainTextCommand)
+@command("methods")
 def list_methods(
     name: Annotated[
-        str | None, typer.Argument(help="A method's name: its description and settings in full.", show_default=False)
+        str | None, Arg(help="A method's name: its description and settings in full.", show_default=False)
     ] = None,
 ) -> None:
     """Every registered method: what it is, its paper, its defaults and its own settings; or one method in full."""
@@ -543,11 +582,9 @@ def _print_method(name: str, cls: type, console: Any) -> None:
     console.print(table)
 
 
-@app.command(cls=PlainTextCommand)
+@command()
 def report(
-    runs: Annotated[
-        list[Path], typer.Argument(metavar="RUN", help="Finished run directories (`peradapt train --out`).")
-    ],
+    runs: Annotated[list[Path], Arg(metavar="RUN", help="Finished run directories (`peradapt train --out`).")],
     out: Annotated[
         Path | None,
         Opt(help="Directory for the plots and tables [default: the run's own directory for one run, else reports/]."),
@@ -574,6 +611,7 @@ def main() -> None:
     interrupts_raise()  # Ctrl-C while peradapt was imported exited quietly; from here on it is handled below
     try:
         find_named_plugins(sys.argv[1:])
+        add_setting_flags()
         code = app(standalone_mode=False)
     except PeradaptError as exc:
         err_console.print(Text.assemble(("error:", "red"), f" {exc}"), highlight=False)
@@ -583,7 +621,7 @@ def main() -> None:
         sys.exit(130)
     except (typer.Abort, KeyboardInterrupt):
         code = 130
-    except UsageError as exc:
+    except CommandLineError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # `peradapt` alone: the help, as asked for
             exc.show()  # type: ignore[attr-defined]
         else:  # a flag of the wrong type, an unknown flag: one line like every other mistake

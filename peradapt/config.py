@@ -86,6 +86,9 @@ TRACKERS = (
     "mlflow",
 )  # --log: experiment trackers (peradapt.federation.tracking), each an extra
 
+# The settings `compare` gives each run itself (`--methods`, its seeds, its run directories, validation splits for the
+# trials and test splits for the final runs): not taken from its command line or config.
+COMPARE_SETS = frozenset({"method", "seed", "out", "eval_split"})
 BUILT_IN = "built-in"  # where a method registered by peradapt itself comes from (`MethodRegistry.source`)
 
 

@@ -14,8 +14,8 @@ code reads as plain attributes (`config.method.lam`), and `field(metadata=...)` 
 what a field means; a method's settings are one more small dataclass in the method's own file. Validation here is a
 handful of kinds (a finite float32 number, bounds, choices, a setting's own check), each with one message; pydantic
 would add a dependency and its own error wording, which the one-line `error: --flag ...` messages would have to
-translate back. Click, under Typer's rich help, takes options built at run time, so the flags are generated from the
-declarations of whatever methods are registered when the command is built.
+translate back. Typer reads a command's options from its function's signature, which `peradapt.cli` makes from the
+declarations of whatever methods are registered when the command line is read.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ To stay fast a valid value stops where the run directory would be made (a stand-
 
 from __future__ import annotations
 
-import click
+import inspect
+import typing
+
 import pytest
-import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,10 +40,18 @@ class StopAtTheRunDirectory:
 
 
 def numeric_flags(command: str) -> list[str]:
-    """The flags of `peradapt COMMAND` that take a number."""
-    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
-    numeric = (click.types.IntParamType, click.types.FloatParamType)
-    return sorted(p.opts[0] for p in params if isinstance(p.type, numeric) and p.opts[0].startswith("--"))
+    """The flags of `peradapt COMMAND` that take a number, read as Typer reads them: from the parameters of the
+    command's function (the same on every Typer release, whether or not it vendors click)."""
+    function = next(info.callback for info in app.registered_commands if info.callback.__name__ == command)
+    flags = []
+    for parameter in inspect.signature(function, eval_str=True).parameters.values():
+        value, option = typing.get_args(parameter.annotation)
+        numbers = {int, float} & {value, *typing.get_args(value)}
+        # In `Annotated[..., typer.Option("--name")]` the first name stands where a default would
+        names = [name for name in (option.default, *(option.param_decls or ())) if str(name).startswith("--")]
+        if numbers:
+            flags.append(names[0] if names else "--" + parameter.name.replace("_", "-"))
+    return sorted(flags)
 
 
 def numeric_settings() -> dict[str, list[str]]:

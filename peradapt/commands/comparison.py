@@ -32,7 +32,7 @@ from rich.text import Text
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
 from peradapt.commands.reports import cost_panels, read_new_clients, read_ood
-from peradapt.config import TrainConfig, method_path_label, setting_owners, settings_for_method
+from peradapt.config import COMPARE_SETS, TrainConfig, method_path_label, setting_owners, settings_for_method
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.evaluation.plots import RankedScore, plot_accuracy_vs_cost, plot_ranking
@@ -165,7 +165,7 @@ def compare(
 def _checked_methods(settings: dict, methods: Sequence[str], anchors: bool) -> list[str]:
     """The methods to compare (the anchors added), every name known and every setting taken by one of them, before
     anything trains."""
-    fixed = sorted({"method", "seed", "out", "eval_split"} & settings.keys())
+    fixed = sorted(COMPARE_SETS & settings.keys())
     if fixed:
         raise ConfigError(
             f"compare sets {', '.join(fixed)} itself: leave them out (use --methods, --seeds, --out; trials score "
