@@ -15,11 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from peradapt import api
-from peradapt.config import COMPARE_SETS, listed_settings, search_space
+from peradapt.config import COMPARE_SETS, METHODS, listed_settings, search_space
 from peradapt.errors import INTERRUPTED_BEFORE_WRITING, ConfigError, Interrupted, PeradaptError, interrupts_raise
-from peradapt.methods import METHODS, method_class
-from peradapt.methods.base import trains_by_sgd_jobs
-from peradapt.methods.plugins import ENTRY_POINT_GROUP
 from peradapt.presets import PRESETS
 from peradapt.progress import counted, text_console
 from peradapt.settings import Setting, declared_settings
@@ -77,15 +74,18 @@ def takes_settings(hidden: Collection[str] = ()) -> Callable[[F], F]:
         parameters = inspect.signature(function, eval_str=True).parameters.values()
         own = [parameter for parameter in parameters if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
         _TAKE_SETTINGS[function] = own, frozenset(hidden)
-        _add_setting_flags(function)
+        # Its flags are added by `main`, for a command line that runs it: they are every method's settings, and
+        # reading those imports the methods (torch), which `peradapt --help` and the other commands do not need.
+        function.__signature__ = inspect.Signature(own)  # type: ignore[attr-defined]
         return function
 
     return declare
 
 
 def add_setting_flags() -> None:
-    """Give the commands that take settings a flag for every setting of the methods registered now (`main` calls it
-    once the plugins that the command line names are registered)."""
+    """Give the commands that take settings a flag for every setting of the methods registered now. `main` calls it
+    for a command line that runs one of them, once the plugins it names are registered; whatever else builds the
+    commands from `app` (`typer.main.get_command`) calls it first."""
     for function in _TAKE_SETTINGS:
         _add_setting_flags(function)
 
@@ -524,6 +524,9 @@ def list_methods(
     ] = None,
 ) -> None:
     """Every registered method: what it is, its paper, its defaults and its own settings; or one method in full."""
+    from peradapt.methods import method_class
+    from peradapt.methods.plugins import ENTRY_POINT_GROUP
+
     console = out_console if out_console.is_terminal else text_console(width=200)
     if name is not None:
         _print_method(name, method_class(name), console)
@@ -552,6 +555,8 @@ def _setting_line(declared: Setting) -> str:
 def _print_method(name: str, cls: type, console: Any) -> None:
     """One method: its summary, its module's description (paper, update rules, conventions), what it supports,
     and its settings."""
+    from peradapt.methods.base import trains_by_sgd_jobs
+
     console.print(f"{name}: {cls.summary}", soft_wrap=True, highlight=False)
     console.print(inspect.getdoc(sys.modules[cls.__module__]) or "", highlight=False)
     facts = {
@@ -604,14 +609,22 @@ def find_named_plugins(args: list[str]) -> None:
             value = value if equals else (args[index + 1] if index + 1 < len(args) else "")
             for name in value.split(","):
                 if ":" in name:
+                    from peradapt.methods import method_class  # the methods, only for a command line that names one
+
                     method_class(name.strip())
+
+
+def _command_name(args: list[str]) -> str | None:
+    """The command a command line runs: its first word that is no option (`peradapt` takes none with a value)."""
+    return next((arg for arg in args if not arg.startswith("-")), None)
 
 
 def main() -> None:
     interrupts_raise()  # Ctrl-C while peradapt was imported exited quietly; from here on it is handled below
     try:
         find_named_plugins(sys.argv[1:])
-        add_setting_flags()
+        if _command_name(sys.argv[1:]) in ("train", "compare"):  # the commands whose flags are every setting
+            add_setting_flags()
         code = app(standalone_mode=False)
     except PeradaptError as exc:
         err_console.print(Text.assemble(("error:", "red"), f" {exc}"), highlight=False)

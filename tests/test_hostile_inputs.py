@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import peradapt.federation.engine as engine
-from peradapt.cli import app
+from peradapt.cli import add_setting_flags, app
 from peradapt.config import listed_settings, setting_owners
 
 from .test_cli import run_cli, tiny_args
@@ -42,6 +42,7 @@ class StopAtTheRunDirectory:
 def numeric_flags(command: str) -> list[str]:
     """The flags of `peradapt COMMAND` that take a number, read as Typer reads them: from the parameters of the
     command's function (the same on every Typer release, whether or not it vendors click)."""
+    add_setting_flags()  # as `main` does before it runs train or compare
     function = next(info.callback for info in app.registered_commands if info.callback.__name__ == command)
     flags = []
     for parameter in inspect.signature(function, eval_str=True).parameters.values():

@@ -71,11 +71,6 @@ def test_help_and_method_listings_import_no_heavy_stack(args, tmp_path):
     assert not imported_by_command(args, tmp_path) & set(HEAVY)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peradapt/cli.py imports peradapt.methods (every method's rules, and so torch) when it is imported, and "
-    "builds train's flags from every method's settings before any command runs; issue 34, item 5",
-)
 def test_help_imports_no_torch(tmp_path):
     assert "torch" not in imported_by_command(["--help"], tmp_path)
 
