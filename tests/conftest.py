@@ -129,19 +129,30 @@ def vit_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def thread_environment() -> dict[str, str]:
+    """The environment for a process a test starts and compares results with (a `peradapt train` whose files must
+    equal an in-process run's): this process's torch thread count, so that it sums floats as this one does. Both
+    variables, since torch takes MKL_NUM_THREADS over OMP_NUM_THREADS where both are set."""
+    import torch
+
+    threads = str(torch.get_num_threads())
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs a worker per core), each worker's torch gets its share of the cores:
     more threads than cores only makes them wait on each other. The processes a test starts get the same share
-    (OMP_NUM_THREADS), so that a run in a subprocess computes as the test's own: float sums depend on the threads."""
+    (`thread_environment`), so that a run in a subprocess computes as the test's own: float sums depend on the
+    threads. Tests that compare with a subprocess's results still pass `thread_environment()` themselves: their
+    module may run on one thread (`one_thread`), and without pytest-xdist nothing is set here."""
     import os
 
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch
 
-        threads = max(1, (os.cpu_count() or 1) // int(workers))
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        os.environ.update(thread_environment())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,7 +21,7 @@ from peradapt.cli import main
 from peradapt.federation.session import build_session
 from peradapt.rundir.layout import read_partition, read_run_config
 
-from .conftest import TINY_BACKBONE
+from .conftest import TINY_BACKBONE, thread_environment
 
 
 def tiny_args(fmnist_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -251,7 +251,8 @@ def test_resume_after_a_crash_ends_with_identical_files(finished_run, tmp_path, 
 def test_kill_9_then_resume_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, home):
     run = tmp_path / "killed"
     command = [sys.executable, "-c", "from peradapt.cli import main; main()", *tiny_args(fmnist_dir, run)]
-    environment = {**os.environ, "PERADAPT_HOME": str(home)}
+    # this process's thread count, with which finished_run was made (float sums differ with the threads)
+    environment = {**os.environ, "PERADAPT_HOME": str(home), **thread_environment()}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "round-00001.safetensors").exists() and process.poll() is None:

@@ -123,17 +123,24 @@ def test_flower_simulation_gives_the_builtin_numbers_and_sends_only_adapters(
     tmp_path, fmnist_dir, monkeypatch, capsys, home
 ):
     values = settings(fmnist_dir, tmp_path / "builtin")
+    flower = tmp_path / "flower"
+    # Both runs on one thread, whatever the cores: the builtin run and the Flower run's ServerApp side (aggregation,
+    # PerAda's distillation) in this process, and the Ray workers that play the clients (Ray sets a worker's
+    # OMP_NUM_THREADS to the CPUs it gets, half the cores for 2 clients a round, unless the environment it inherits
+    # sets it). Sums in another order differ in their last bits; after training, an accuracy may then differ by a
+    # whole test image, far beyond the float tolerance of `assert_same_results`.
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(name, "1")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each Ray worker: a core of its own
+    torch.set_num_threads(1)
     try:
         monkeypatch.setattr(sys, "argv", ["peradapt", *cli_args(values)])
         main()
+        monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after Flower rewrites it for Ray
+        monkeypatch.setattr(sys, "argv", ["peradapt", *cli_args({**values, "out": flower, "engine": "flower"})])
+        main()
     finally:
         torch.set_num_threads(threads)
-    flower = tmp_path / "flower"
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after Flower rewrites it for Ray
-    monkeypatch.setattr(sys, "argv", ["peradapt", *cli_args({**values, "out": flower, "engine": "flower"})])
-    main()
     assert "perada on fmnist, 4 clients, 2 rounds" in capsys.readouterr().out  # the results table, as builtin
     assert_same_results(tmp_path / "builtin", flower)
 

@@ -22,7 +22,7 @@ import peradapt.federation.engine as engine
 from peradapt.errors import ConfigError, DataError, Interrupted, RunError, TrainingDiverged, WeightsError
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 
-from .conftest import TINY_BACKBONE
+from .conftest import TINY_BACKBONE, thread_environment
 from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, snapshot, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -277,8 +277,8 @@ def test_sigint_to_a_real_training_stops_it_resumably(three_rounds, tmp_path, fm
     """The signal itself, in another process: exit 130, the advice printed, and following it ends the run."""
     run = tmp_path / "signalled"
     command = [sys.executable, "-c", "from peradapt.cli import main; main()", *tiny_args(fmnist_dir, run)]
-    # one thread, as this module's in-process runs (sums in another order differ in their last bits)
-    environment = {**os.environ, "PERADAPT_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    # this module's one thread, as its in-process runs (sums in another order differ in their last bits)
+    environment = {**os.environ, "PERADAPT_HOME": str(home), **thread_environment()}
     process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "round-00001.safetensors").exists() and process.poll() is None:

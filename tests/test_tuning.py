@@ -234,7 +234,9 @@ def test_a_missing_optuna_names_the_extra(tmp_path, fmnist_dir, monkeypatch):
 # ---------------------------------------------------------------- killed workers, several workers
 
 
-def worker(fmnist_dir: Path, out: Path, storage: str, trials: int, *, die_after_a_stage: bool = False) -> str:
+def worker(
+    fmnist_dir: Path, out: Path, storage: str, trials: int, *, die_after_a_stage: bool = False, heartbeat_s: int = 1
+) -> str:
     """A `python -c` worker calling `tune` (optionally killed by os._exit right after its first stage's run), which
     prints its result as JSON."""
     die = (
@@ -244,12 +246,12 @@ def worker(fmnist_dir: Path, out: Path, storage: str, trials: int, *, die_after_
         if die_after_a_stage
         else ""
     )
-    arguments = json.dumps([METHOD, tiny(fmnist_dir), trials, str(out), storage])
+    arguments = json.dumps([METHOD, tiny(fmnist_dir), trials, str(out), storage, heartbeat_s])
     return (
         "import json, os, sys, torch\nimport peradapt.tuning as tuning\ntorch.set_num_threads(1)\n"
-        f"{die}method, values, trials, out, storage = json.loads(sys.argv[1])\n"
+        f"{die}method, values, trials, out, storage, heartbeat_s = json.loads(sys.argv[1])\n"
         "from pathlib import Path\n"
-        "result = tuning.tune(method, values, trials=trials, out=Path(out), storage=storage, heartbeat_s=1)\n"
+        "result = tuning.tune(method, values, trials=trials, out=Path(out), storage=storage, heartbeat_s=heartbeat_s)\n"
         "print(json.dumps(result))\n",
         arguments,
     )
@@ -288,7 +290,12 @@ def test_a_trial_left_running_by_a_killed_worker_resumes_its_run(kind, tmp_path,
 @pytest.mark.parametrize("kind", list(STORAGES))
 def test_two_workers_share_one_study(kind, tmp_path, fmnist_dir, home):
     storage = STORAGES[kind](tmp_path)
-    workers = [start(worker(fmnist_dir, tmp_path / f"worker{i}", storage, TRIALS), home) for i in range(2)]
+    # No worker dies here, so no heartbeat needs to go stale soon: with 1 s, a live worker whose heartbeat thread a
+    # loaded machine held up for 3 s (GRACE_PERIODS) would have its trial failed and retried by the other. With 5 s
+    # that takes a 15 s stall; a worker waiting for the other's last trial looks every 5 s.
+    workers = [
+        start(worker(fmnist_dir, tmp_path / f"worker{i}", storage, TRIALS, heartbeat_s=5), home) for i in range(2)
+    ]
     outputs = [process.communicate(timeout=600) for process in workers]
     assert [process.returncode for process in workers] == [0, 0], outputs[0][1].decode() + outputs[1][1].decode()
     results = [json.loads(stdout.decode().strip().splitlines()[-1]) for stdout, _ in outputs]
