@@ -16,6 +16,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
+import peradapt.cli as cli
 import peradapt.federation.engine as engine
 from peradapt.cli import main
 from peradapt.federation.session import build_session
@@ -162,10 +163,13 @@ def test_eval_recomputes_the_reported_accuracies(finished_run, capsys, monkeypat
 
 
 def test_info_prints_config_partition_and_trainable_count(finished_run, capsys, monkeypatch, home):
+    monkeypatch.setattr(cli.out_console, "width", 60)  # a narrow terminal: its lines are wrapped by it, not by rich
     code, out, err = run_cli(["info", "--run", str(finished_run)], capsys, monkeypatch)
     assert code == 0, err
     resolved = json.loads((finished_run / "config.json").read_text())["resolved"]
     assert f"trainable parameters: {resolved['trainable_parameters']:,}" in out
+    line = next(line for line in out.splitlines() if line.startswith("trainable parameters:"))
+    assert line.endswith(", scope: adapter"), out
     adapter = resolved["trainable_parameters"]
     assert f"per client: {adapter:,} personalized, {2 * adapter:,} trained, {adapter:,} communicated" in out
     assert "label skew" in out and "dir:0.5" in out
