@@ -18,13 +18,12 @@ from peradapt.errors import quiet_interrupts_while_starting
 
 quiet_interrupts_while_starting()
 
-import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from peradapt.config import TrainConfig
 from peradapt.errors import PeradaptError
-from peradapt.imports import when_imported
+from peradapt.imports import imported_when_used, when_imported
 
 if TYPE_CHECKING:
     from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
@@ -67,18 +66,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """The API's functions, the adapters' and the methods' names, imported when first used: the command line starts
-    without the training stack."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'peradapt' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f"peradapt.{_LAZY[name]}"), name)
-    globals()[name] = value  # found without this function from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# The API's functions, the adapters' and the methods' names: the command line starts without the training stack.
+__getattr__, __dir__ = imported_when_used(__name__, _LAZY, __all__)
 
 
 def _register_adapters(peft: ModuleType) -> None:

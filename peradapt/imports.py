@@ -14,12 +14,14 @@ do. A module that is imported already gets its callbacks at once.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import Any
 
 Callback = Callable[[ModuleType], None]
 
@@ -111,3 +113,20 @@ def when_imported(name: str, callback: Callback) -> None:
                 sys.meta_path.insert(0, _WATCHER)
             return
     callback(module)
+
+
+def imported_when_used(package: str, homes: Mapping[str, str], listed: Iterable[str]) -> tuple[Any, Any]:
+    """A package's module `__getattr__` and `__dir__` (PEP 562) for names imported when first used: each name of
+    `homes` from the submodule it names, kept in the package once found; `listed` (its `__all__`) shows in dir()."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{homes[name]}"), name)
+        setattr(sys.modules[package], name, value)  # found without this function from now on
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *listed})
+
+    return __getattr__, __dir__

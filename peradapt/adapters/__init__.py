@@ -8,9 +8,10 @@ without PEFT and timm. The rest (PEFT's layers, `AdaptedModel`, `inject_adapters
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from peradapt.adapters.state import AdapterState, average_states, state_nbytes, state_to, state_to_cpu
+from peradapt.imports import imported_when_used
 
 if TYPE_CHECKING:
     from peradapt.adapters.model import ADAPTER_KINDS, SCOPES, AdaptedModel, default_adapter_kind, inject_adapters
@@ -58,14 +59,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The names whose modules import PEFT (and timm), imported when first used."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value  # found without this function from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# The names whose modules import PEFT (and timm), imported when first used.
+__getattr__, __dir__ = imported_when_used(__name__, _LAZY, __all__)
