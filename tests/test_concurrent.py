@@ -265,6 +265,38 @@ def test_a_diverging_client_stops_the_run_with_the_sequential_message():
         ConcurrentSGD(trainer_).run(jobs)
 
 
+def test_one_after_another_a_diverging_client_stops_the_run_with_the_same_message():
+    trainer_ = trainer()
+    job = SGDJob(perturbed(trainer_, seed=1), images(8, 1), epochs=3, lr=1e30, seed=1)
+    with pytest.raises(TrainingDiverged, match=r"training loss became (nan|inf): lower --lr \(now 1e\+30\)"):
+        trainer_.run(job)
+
+
+def test_a_job_reads_its_losses_from_the_device_once_whatever_its_steps(monkeypatch):
+    """No host synchronisation inside a job (issue 35): the losses stay on the device and are read, and checked,
+    once the job is done. Counted as the reads of a tensor's values into Python (`item`, `tolist`, `bool`) that a
+    job of 2 and a job of 6 steps make: the same number, and the mean loss that of the steps' losses."""
+    trainer_ = trainer()
+    start, data = perturbed(trainer_, seed=3), images(8, 3)
+    counted = {"reads": 0}
+    for name in ("item", "tolist", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            counted["reads"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    reads = {}
+    for steps in (2, 6):
+        counted["reads"] = 0
+        _, mean_loss = trainer_.run(SGDJob(start, data, epochs=1, lr=0.05, seed=3, steps=steps))
+        reads[steps] = counted["reads"]
+        assert mean_loss > 0
+    assert reads[2] == reads[6] <= 2, reads
+
+
 def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch):
     """The CUDA path's precision, on CPU: under bf16 autocast (where `vmap`'s BatchNorm rule refuses bf16 inputs,
     so BatchNorms compute in float32) the clients train as one after another does, to bf16's rounding."""

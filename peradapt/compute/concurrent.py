@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mas
 from peradapt.adapters.model import logits_of
 from peradapt.backbones.small_inputs import SmallInputConv2d
 from peradapt.compute.costs import sgd_samples
-from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, diverged, task_loss
+from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, finite_means, task_loss
 from peradapt.errors import ConfigError
 from peradapt.seeds import derive_seed
 
@@ -353,12 +352,9 @@ class ConcurrentSGD:
         return self._calls[key]
 
     def _result(self, lane: _Lane, state: dict[str, torch.Tensor]) -> SGDResult:
-        losses = torch.stack(lane.losses).tolist() if lane.losses else []
-        bad = next((loss for loss in losses if not math.isfinite(loss)), None)
-        if bad is not None:
-            raise diverged(bad, lane.job.lr)
+        (mean_loss,) = finite_means(lane.losses, 1, lane.job.lr)
         trained = lane.job.finished({name: tensor.clone() for name, tensor in state.items()})
-        return trained, sum(losses) / max(len(losses), 1)
+        return trained, mean_loss
 
 
 def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:

@@ -7,6 +7,7 @@ Every random choice (minibatch order, dropout, augmentation) is drawn from a see
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -140,6 +141,17 @@ def diverged(loss: float, lr: float) -> TrainingDiverged:
     return TrainingDiverged(f"training loss became {loss}: lower --lr (now {lr})")
 
 
+def finite_means(steps: list[torch.Tensor], terms: int, lr: float) -> list[float]:
+    """The mean over a job's steps of each of its `terms` loss terms (`steps`: each step's terms, a tensor left on
+    the device), read from the device once, after the job: no host synchronisation inside it. The end of the run if
+    a step's loss, the sum of its terms, was not finite."""
+    rows = torch.stack(steps).reshape(len(steps), terms).tolist() if steps else []
+    bad = next((sum(row) for row in rows if not math.isfinite(sum(row))), None)
+    if bad is not None:
+        raise diverged(bad, lr)
+    return [sum(column) / len(rows) for column in zip(*rows, strict=True)] if rows else [0.0] * terms
+
+
 def finite(loss: torch.Tensor, lr: float) -> torch.Tensor:
     """`loss`, or the end of the run if it is no longer finite."""
     if not torch.isfinite(loss):
@@ -216,10 +228,10 @@ class LocalTrainer:
             anchors = [job.anchor[name] for name in parameters] if job.anchor is not None and job.lam > 0 else None
             # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
             optimizer = torch.optim.SGD(rate_groups(parameters, rates), lr=job.lr, foreach=True)
-            totals, batches = [0.0] * len(objective.names), 0
+            steps: list[torch.Tensor] = []
             for images, labels in self.minibatches(job.data, epochs=job.epochs, seed=job.seed, steps=job.steps):
                 terms = objective.terms(images, labels)
-                loss = finite(sum(terms[1:], terms[0]), job.lr)
+                loss = sum(terms[1:], terms[0])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if anchors is not None:
@@ -227,11 +239,11 @@ class LocalTrainer:
                         gradients = [parameter.grad for parameter in values]
                         torch._foreach_add_(gradients, torch._foreach_sub(values, anchors), alpha=job.lam)
                 optimizer.step()
-                totals = [total + term.item() for total, term in zip(totals, terms, strict=True)]
-                batches += 1
+                steps.append(torch.stack([term.detach() for term in terms]))
                 self.samples_trained += len(labels)  # its objective's terms need not go through `loss`
-        means = {name: total / max(batches, 1) for name, total in zip(objective.names, totals, strict=True)}
-        return job.finished(self.model.state()), means
+        # Checked once the job is done (a diverged job's remaining steps are wasted, never its result)
+        means = finite_means(steps, len(objective.names), job.lr)
+        return job.finished(self.model.state()), dict(zip(objective.names, means, strict=True))
 
     def private_sgd(self, job: SGDJob) -> SGDResult:
         """`run` as DP-SGD (`peradapt.compute.privacy`): Poisson-sampled batches, each sample's gradient clipped
