@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
 from peradapt.compute.concurrent import ConcurrentSGD
-from peradapt.compute.trainer import InputPipeline, LocalTrainer
+from peradapt.compute.trainer import InputPipeline, LocalTrainer, Objective, SGDJob
 from peradapt.config import DistillConfig, MethodConfig, TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.distill import Distiller, ensemble_logits
@@ -239,6 +239,20 @@ def adapter_step_vs_inference(settings: Settings) -> dict:
     def step() -> None:
         trainer.sgd(start, data, epochs=1, lr=LR, seed=0, anchor=anchor, lam=LAM)
 
+    def read_back(loss: torch.Tensor) -> torch.Tensor:
+        """What each step did before issue 35's first step: checked the loss and read it into Python, two waits of
+        the host for the device."""
+        if not torch.isfinite(loss):
+            raise RuntimeError("diverged")
+        loss.item()
+        return loss
+
+    synced = Objective(lambda images, labels: (read_back(trainer.unchecked_loss(images, labels)),), ("loss",))
+    job = SGDJob(start, data, epochs=1, lr=LR, seed=0, anchor=anchor, lam=LAM)
+
+    def step_reading_each_loss() -> None:
+        trainer.descend(job, synced)
+
     def inference(model: torch.nn.Module, inputs: list[torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
             with torch.inference_mode(), trainer.inputs.autocast():  # bf16 on a GPU, as training
@@ -255,6 +269,7 @@ def adapter_step_vs_inference(settings: Settings) -> dict:
 
     candidates = {
         "step": step,
+        "step_reading_each_loss": step_reading_each_loss,
         "inference_channels_last": inference(plain, batches),
         "inference_contiguous": inference(plain, contiguous),
         "own_inference": inference(own, batches),
@@ -265,6 +280,8 @@ def adapter_step_vs_inference(settings: Settings) -> dict:
     best = [min(pair) for pair in zip(times["inference_channels_last"], times["inference_contiguous"], strict=True)]
     return {
         "adapter_step_vs_inference": median_ratio(best, times["step"]),
+        # > 1: how much faster the step is for reading its losses once per job rather than at every step
+        "step_losses_read_once_vs_each_step": median_ratio(times["step_reading_each_loss"], times["step"]),
         "adapter_step_vs_own_inference": median_ratio(times["own_inference"], times["step"]),
         "own_inference_vs_inference": median_ratio(best, times["own_inference"]),
         "forward_backward_vs_inference": median_ratio(best, times["forward_backward"]),
