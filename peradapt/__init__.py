@@ -4,8 +4,8 @@ The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`
 `peradapt.api`) does what the commands do. After `import peradapt`, exported adapters load with a plain
 `peft.PeftModel.from_pretrained` and the narrow ResNets (`resnet18_w16`, ...) with `timm.create_model`: the residual
 adapter is registered with PEFT, and those backbones with timm, when PEFT and timm are imported (before or after
-peradapt; `peradapt.imports`). The built-in methods are registered when the method registry is first read, so that a
-config knows their settings (`peradapt.config.METHODS`). A method of one's own subclasses `Method` or
+peradapt; wrapt's post-import hooks). The built-in methods are registered when the method registry is first read,
+so that a config knows their settings (`peradapt.config.METHODS`). A method of one's own subclasses `Method` or
 `LocalSGDMethod`, or a built-in method (`method_class("fedavg")`), and runs as `--method module:Class`
 (docs/ADDING_A_METHOD.md).
 
@@ -21,9 +21,11 @@ quiet_interrupts_while_starting()
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import wrapt
+
 from peradapt.config import TrainConfig
 from peradapt.errors import PeradaptError
-from peradapt.imports import imported_when_used, when_imported
+from peradapt.imports import imported_when_used
 
 if TYPE_CHECKING:
     from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
@@ -83,5 +85,5 @@ def _register_backbones(timm: ModuleType) -> None:
 
 # Now if PEFT and timm are imported already, else right after their import, by whatever imports them (peradapt's own
 # modules included).
-when_imported("peft", _register_adapters)
-when_imported("timm", _register_backbones)
+wrapt.register_post_import_hook(_register_adapters, "peft")
+wrapt.register_post_import_hook(_register_backbones, "timm")
