@@ -36,7 +36,7 @@ def not_found(
     place = "--data-dir DIR" if data_dir is None else f"--data-dir {data_dir}"
     remedies = [by_hand.format(dir=place), *([alternative] if alternative else [])]
     fetch = f"add {'--data-dir DIR ' if data_dir is None else ''}--download to fetch {label} there {NEEDS_NETWORK}"
-    return DataError(f"{label} not found: {missing}: {', '.join(remedies)}, or {fetch}")
+    return DataError(f"{label} not found: {missing}: {either(*remedies, fetch)}")
 
 
 def download_needs_data_dir(label: str) -> DataError:
@@ -50,5 +50,9 @@ def download_failed(
     `alternative` as for `not_found`."""
     reason = " ".join(str(error).split()) or type(error).__name__  # one line
     remedies = [by_hand.format(dir=f"--data-dir {data_dir}"), *([alternative] if alternative else [])]
-    remedy = remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])}, or {remedies[-1]}"
-    return DataError(f"could not download {label} into {data_dir} ({reason}): without a network, {remedy}")
+    return DataError(f"could not download {label} into {data_dir} ({reason}): without a network, {either(*remedies)}")
+
+
+def either(*remedies: str) -> str:
+    """Remedies as a message lists them: "a", "a, or b", "a, b, or c"."""
+    return remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])}, or {remedies[-1]}"

@@ -19,7 +19,7 @@ from peradapt.data import folders, hfdata
 from peradapt.data.chexpert import load_chexpert
 from peradapt.data.decode import RESIZES
 from peradapt.data.images import ImageSet, Rows, ScannedSource, SourceData
-from peradapt.data.missing import NEEDS_NETWORK, download_failed, download_needs_data_dir, not_found
+from peradapt.data.missing import NEEDS_NETWORK, download_failed, download_needs_data_dir, either, not_found
 from peradapt.data.officehome import load_office_home
 from peradapt.data.svhn_stl10 import load_stl10, load_stl10_unlabeled, load_svhn
 from peradapt.errors import ConfigError, DataError
@@ -200,8 +200,7 @@ def _check_data_dir(name: str, path: Path, *, download: bool) -> None:
         advice.append("drop --data-dir to use the system copy (`apt-get install dataset-fashion-mnist`)")
     if name in _LOADERS:  # the sources that --download fetches
         advice.append(f"add --download to fetch {name} into it {NEEDS_NETWORK}")
-    remedy = advice[0] if len(advice) == 1 else f"{', '.join(advice[:-1])}, or {advice[-1]}"
-    raise DataError(f"--data-dir {path} does not exist: {remedy}")
+    raise DataError(f"--data-dir {path} does not exist: {either(*advice)}")
 
 
 def read_idx(path: Path) -> np.ndarray:
