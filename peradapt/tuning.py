@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import socket
 import time
@@ -199,15 +200,28 @@ def _storage(url: str | None, out: Path, heartbeat_s: int) -> optuna.storages.Ba
         )
 
     try:
-        try:
-            return opened()
-        except sqlalchemy.exc.IntegrityError:  # workers starting together: another one created the tables just now
-            return opened()
+        return _opened_while_others_create_tables(opened, sqlalchemy.exc)
     except ImportError as error:  # the database's driver (psycopg2, PyMySQL) is not installed
         raise ConfigError(f"--storage {shown}: {error}; install the database's Python driver") from None
     except (sqlalchemy.exc.SQLAlchemyError, ValueError) as error:
         reason = " ".join(str(getattr(error, "orig", None) or error).split())
         raise ConfigError(f"--storage {shown} cannot be opened ({reason}): check the URL and the server") from None
+
+
+def _opened_while_others_create_tables(opened: Callable[[], Any], exc: Any, patience_s: float = 60.0) -> Any:
+    """`opened()`, tried again while workers that started together race to create Optuna's tables: the losers see
+    IntegrityError (a version row inserted twice) or, on SQLite and PostgreSQL, "table ... already exists"
+    (OperationalError / ProgrammingError). Once the winner has committed, a new attempt finds the tables and only
+    reads them; any other error, or one that outlasts `patience_s`, is the caller's."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return opened()
+        except (exc.IntegrityError, exc.OperationalError, exc.ProgrammingError) as error:
+            racing = isinstance(error, exc.IntegrityError) or "already exists" in str(error)
+            if not racing or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.05, 0.25))  # apart, so that the retries themselves do not race again
 
 
 def _sampler(seed: int, trials_held: int, *, shared: bool) -> optuna.samplers.BaseSampler:

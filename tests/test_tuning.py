@@ -307,3 +307,26 @@ def test_two_workers_share_one_study(kind, tmp_path, fmnist_dir, home):
     assert not ran[0] & ran[1] and len(ran[0] | ran[1]) == TRIALS  # each trial run by one worker
     best = [{key: r[key] for key in ("best_params", "best_value", "best_trial")} for r in results]
     assert best[0] == best[1]
+
+
+def _open_at_once(url: str, out: Path, barrier) -> str:
+    barrier.wait()
+    try:
+        tuning._storage(url, out, heartbeat_s=60)
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_workers_opening_a_fresh_sqlite_storage_together_all_open_it(tmp_path):
+    # Eight processes open a fresh database at one instant, three times over: each opener creates Optuna's tables,
+    # and SQLite tells the late ones "table ... already exists" (OperationalError), not an IntegrityError.
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # spawn would import torch eight times
+    with context.Manager() as manager, context.Pool(8) as pool:
+        for attempt in range(3):
+            url = f"sqlite:///{tmp_path / f'race{attempt}.db'}"
+            barrier = manager.Barrier(8)
+            errors = pool.starmap(_open_at_once, [(url, tmp_path, barrier)] * 8)
+            assert errors == [""] * 8
