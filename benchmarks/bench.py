@@ -402,27 +402,36 @@ def engine_overhead(settings: Settings) -> dict:
 
 def concurrent_vs_sequential(settings: Settings) -> dict:
     """The client side of a PerAda round (8 clients, each its personal then its local epochs) with the clients
-    trained together (`--concurrent-clients 8`: `ConcurrentSGD`) against one after another (`client_update`)."""
+    trained together (`--concurrent-clients 8`: `ConcurrentSGD`, by its fused step and by `vmap` over `grad`)
+    against one after another (`client_update`)."""
     method, clients = perada_round(settings)
     initial = method.context.initial
     assert isinstance(method, LocalSGDMethod)
-    together = ConcurrentSGD(method.trainer)
+    fused, by_vmap = ConcurrentSGD(method.trainer), ConcurrentSGD(method.trainer, fused=False)
+    assert fused.fused is not None, "the bench's model is one the fused step serves"
 
     def one_after_another() -> None:
         for client in clients:
             method.client_update(client, initial, derive_seed(0, 0, client.client_id))
 
-    def concurrent() -> None:
-        together.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
+    def together(concurrent: ConcurrentSGD) -> Callable[[], None]:
+        def run() -> None:
+            concurrent.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
 
-    times = interleaved({"sequential": one_after_another, "concurrent": concurrent}, settings.round_repeats)
+        return run
+
+    times = interleaved(
+        {"sequential": one_after_another, "fused": together(fused), "vmap": together(by_vmap)}, settings.round_repeats
+    )
     images = len(clients) * 2 * settings.round_epochs * settings.client_images
     return {
-        "concurrent_vs_sequential": median_ratio(times["sequential"], times["concurrent"]),
+        "concurrent_vs_sequential": median_ratio(times["sequential"], times["fused"]),
+        "vmap_vs_sequential": median_ratio(times["sequential"], times["vmap"]),
+        "fused_vs_vmap": median_ratio(times["vmap"], times["fused"]),
         "concurrent_clients": len(clients),
-        "concurrent_clients_round_s": statistics.median(times["concurrent"]),
+        "concurrent_clients_round_s": statistics.median(times["fused"]),
         "sequential_clients_round_s": statistics.median(times["sequential"]),
-        "concurrent_images_per_s": images / statistics.median(times["concurrent"]),
+        "concurrent_images_per_s": images / statistics.median(times["fused"]),
     }
 
 

@@ -47,7 +47,8 @@ def training_config(
 ) -> TrainConfig:
     """The config `peradapt train` runs: a paper `preset`, then `config_file` (YAML or JSON), then `settings` win.
     With `resume`, the saved config of the run in `settings["out"]`, where only the settings that keep its results
-    valid may change (rounds, eval_every, device, out, offline, log, concurrent_clients)."""
+    valid may change (rounds, eval_every, device, out, offline, log, concurrent_clients,
+    gpu_memory_fraction)."""
     from peradapt.federation.engine import resume_config
     from peradapt.presets import preset_settings
 

@@ -107,10 +107,11 @@ def _setting_parameter(declared: Setting, panel: str, *, hidden: bool) -> inspec
     """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`), a list
     for a repeatable flag; default None, so that a flag not given leaves the preset's or config file's value."""
     help_text = declared.help_text()
-    if declared.base_type != "bool" and (declared.default is not None or declared.shown_default is not None):
+    shown = declared.default is not None or declared.shown_default is not None or declared.none_word is not None
+    if declared.base_type != "bool" and shown:
         help_text += f" [default: {declared.default_text()}]"
     kinds: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
-    value = str if declared.auto else kinds[declared.base_type]
+    value = str if declared.auto or declared.none_word else kinds[declared.base_type]
     option = Opt(
         declared.flag_name,
         help=help_text,

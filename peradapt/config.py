@@ -427,20 +427,33 @@ class FederationConfig:
         group=FEDERATION,
         choices=ENGINES,
     )
-    # The builtin engine trains up to this many of a round's clients at once (peradapt.compute.concurrent);
-    # 1: one after another, the default: on CPU the batched step is slower (docs/BENCHMARKS.md).
-    concurrent_clients: int = setting(
-        1,
+    # The builtin engine trains up to this many of a round's clients at once (peradapt.compute.concurrent).
+    # None (auto): all of a round's clients that fit --gpu-memory-fraction on a GPU, one at a time on a CPU, where
+    # the batched step is slower (docs/BENCHMARKS.md).
+    concurrent_clients: int | None = setting(
+        None,
         help="Train up to K of a round's clients at once on the one device, sharing the frozen backbone (one "
-        "batched pass for all of them); on CPU the same numbers as one after another, to float rounding (on a "
-        "GPU, other dropout draws). For methods whose client update is local SGD (perada, ditto, fedprox, fedavg, "
-        "..., and the partial models fedalt, fedsim, fedbn, lg-fedavg, fedper, fedrep, fedbabu; others say so and "
-        "train one after another) on the builtin engine, without --dp-noise. Faster where "
-        "kernel launches dominate (a GPU and a small model); slower on CPU (docs/BENCHMARKS.md). May change on "
+        "fused pass for all of them); on CPU the same numbers as one after another, to float rounding (on a "
+        "GPU, other dropout draws). auto: on a GPU as many of the round's clients as fit --gpu-memory-fraction, "
+        "on a CPU one after another (faster there). For methods whose client update is local SGD (perada, ditto, "
+        "fedprox, fedavg, ..., and the partial models fedalt, fedsim, fedbn, lg-fedavg, fedper, fedrep, fedbabu; "
+        "others say so and train one after another) on the builtin engine, without --dp-noise. May change on "
         "--resume.",
         group=FEDERATION,
         minimum=1,
-        metavar="K",
+        metavar="K|auto",
+        none_word="auto",
+    )
+    gpu_memory_fraction: float = setting(
+        0.9,
+        help="The share of the GPU's memory this run may use (torch.cuda.set_per_process_memory_fraction); "
+        "--concurrent-clients auto trains as many clients at once as fit in it. No effect on a CPU. May change "
+        "on --resume.",
+        group=FEDERATION,
+        minimum=0.0,
+        maximum=1.0,
+        exclusive_minimum=True,
+        metavar="F",
     )
 
     budget: str | None = setting(

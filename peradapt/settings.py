@@ -97,6 +97,7 @@ class Setting:
     flag: bool = True  # False: a config key without a flag of its own (lam_auto, set by `--lam auto`)
     repeatable: bool = False  # the flag may be given several times; a list is joined with commas
     auto: str | None = None  # the value may be the word `auto`, which sets this bool setting instead
+    none_word: str | None = None  # a word that flags and files may give for None (`--concurrent-clients auto`)
     check: Callable[[Any], object] | None = None  # a rule of this setting's own that bounds/choices cannot say
     search: Search | None = None  # what `compare --tune` tries; None: the setting is not tuned
     name: str = ""
@@ -123,6 +124,8 @@ class Setting:
         """The default in words: what the declaration says it is, `on`/`off` for a switch, else the value."""
         if self.shown_default is not None:
             return self.shown_default
+        if self.default is None and self.none_word is not None:
+            return self.none_word
         if self.base_type == "bool":
             return "on" if self.default else "off"
         return "none" if self.default is None else str(self.default)
@@ -187,6 +190,8 @@ class Setting:
     def coerce(self, value: Any) -> Any:
         """`value` as read from a flag or a YAML/JSON file, turned into the setting's type."""
         key = self.name
+        if self.none_word is not None and isinstance(value, str) and value.strip().lower() == self.none_word:
+            value = None
         if value is None:
             if not self.optional:
                 raise ConfigError(f"setting '{key}' may not be empty")
@@ -242,6 +247,7 @@ def setting(
     flag: bool = True,
     repeatable: bool = False,
     auto: str | None = None,
+    none_word: str | None = None,
     check: Callable[[Any], object] | None = None,
     search: Search | None = None,
 ) -> Any:
@@ -261,6 +267,7 @@ def setting(
         flag=flag,
         repeatable=repeatable,
         auto=auto,
+        none_word=none_word,
         check=check,
         search=search,
     )

@@ -20,7 +20,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         return engine.train(config, resume=resume, console=console)
     from peradapt.flower.simulation import simulate  # needs flwr: imported for --engine flower only
 
-    if config.federation.concurrent_clients > 1:
+    if (config.federation.concurrent_clients or 1) > 1:
         console.print(
             f"--concurrent-clients {config.federation.concurrent_clients}: each Flower ClientApp trains its one client"
         )

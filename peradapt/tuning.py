@@ -71,7 +71,7 @@ HEARTBEAT_S = 60  # a database worker's heartbeat, and how often a waiting worke
 GRACE_PERIODS = 3  # heartbeats missed before a database worker counts as dead and its trial is retried
 MAX_RETRIES = 3  # a trial whose workers died this often is left failed: another trial, other values, takes its place
 # Settings that change no trial's score: workers may differ in them and still share one study.
-UNSCORED = ("out", "device", "offline", "log", "concurrent_clients", "eval_every")
+UNSCORED = ("out", "device", "offline", "log", "concurrent_clients", "gpu_memory_fraction", "eval_every")
 RUN_DIR = "run_dir"  # a trial's user attribute: its run directory, relative to the study's (a retry keeps it)
 WORKER = "worker"  # a trial's user attribute: "host:pid:trial number" of the worker running it
 SURPLUS = "surplus"  # a trial's user attribute: asked beyond the N trials, failed at once

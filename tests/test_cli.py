@@ -322,6 +322,10 @@ def expect_refusal(args, capsys, monkeypatch, *needles: str, untouched: Path) ->
         (["--backbone", "not_a_model"], ["not_a_model"]),
         (["--kd-data", "imagenet"], ["imagenet"]),
         (["--limit-samples", "0"], ["--limit-samples"]),
+        (["--concurrent-clients", "0"], ["--concurrent-clients must be at least 1"]),
+        (["--concurrent-clients", "many"], ["concurrent_clients", "many"]),
+        (["--gpu-memory-fraction", "0"], ["--gpu-memory-fraction must be in (0, 1]"]),
+        (["--gpu-memory-fraction", "1.5"], ["--gpu-memory-fraction must be in (0, 1]"]),
     ],
 )
 def test_bad_training_settings_exit_2_in_one_line_and_write_nothing(

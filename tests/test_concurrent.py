@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
-from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
+from peradapt.compute.concurrent import ConcurrentSGD, clients_that_fit, unsupported_layers
 from peradapt.compute.trainer import InputPipeline, LocalTrainer, ParameterGroup, SGDJob
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
@@ -78,10 +78,12 @@ def images(count: int, seed: int, size: int = 16) -> ImageSet:
 # ---------------------------------------------------------------- the update rule, by hand
 
 
-def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
+def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(fused):
     """Three clients at once, full batches (one batch = the client's data, so minibatch order cannot matter), three
     steps each of v <- v - lr (grad L(v) + lam (v - w)) (PerAda Algorithm 1, line 10), each with its own lr, lam and
-    anchor (none for the second: plain SGD, line 15); computed here with autograd on the model, client by client."""
+    anchor (none for the second: plain SGD, line 15); computed here with autograd on the model, client by client.
+    By the fused step and by `vmap` over `grad`."""
     trainer_ = trainer()
     model, module = trainer_.model, trainer_.model.module
     w = perturbed(trainer_, seed=9)
@@ -90,7 +92,9 @@ def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(
         SGDJob(perturbed(trainer_, seed=2), images(6, seed=2), epochs=3, lr=0.05, seed=12),
         SGDJob(perturbed(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.2, seed=13, anchor=w, lam=2.0),
     ]
-    together = ConcurrentSGD(trainer_).run(jobs)
+    concurrent = ConcurrentSGD(trainer_, fused=fused)
+    assert (concurrent.fused is not None) == fused
+    together = concurrent.run(jobs)
 
     for job, (state, loss) in zip(jobs, together, strict=True):
         model.load_state(job.start)
@@ -189,14 +193,29 @@ def test_a_job_trains_its_groups_at_their_rates_and_leaves_the_rest_as_it_starte
 # ---------------------------------------------------------------- equal to one after another
 
 
+# Whether the fused step serves a model: every module with clients' own state is a linear layer, a 1x1 convolution, a
+# BatchNorm or a LayerNorm (LoRA on a ResNet has 3x3 convolutions as its A factors: `vmap` trains those).
+FUSED = {
+    (TINY_BACKBONE, "residual"): True,
+    (TINY_BACKBONE, "lora"): False,
+    (TINY_VIT, "residual"): True,
+    (TINY_VIT, "lora"): True,
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
 @pytest.mark.parametrize(
     ("backbone", "kind", "size"),
     [(TINY_BACKBONE, "residual", 16), (TINY_BACKBONE, "lora", 16), (TINY_VIT, "residual", 32), (TINY_VIT, "lora", 32)],
 )
-def test_concurrent_training_equals_one_client_after_another(backbone, kind, size):
+def test_concurrent_training_equals_one_client_after_another(backbone, kind, size, fused):
     """Ragged clients (13, 20, 7 and 9 images at batch 8: last batches of 5, 4, 7 and 9, one client done after one
     batch per epoch), dropout 0.3, anchors, rates and step counts differing: every state and mean loss as
-    `LocalTrainer.sgd` gives them one job after another, to float rounding."""
+    `LocalTrainer.sgd` gives them one job after another, to float rounding; by the fused step where it serves the
+    model, and by `vmap` over `grad`."""
+    if fused and not FUSED[(backbone, kind)]:
+        assert ConcurrentSGD(trainer(backbone, kind)).fused is None
+        return
     trainer_ = trainer(backbone, kind, dropout=0.3)
     w = perturbed(trainer_, seed=7)
     jobs = [
@@ -206,7 +225,9 @@ def test_concurrent_training_equals_one_client_after_another(backbone, kind, siz
         SGDJob(perturbed(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
     ]
     alone = [trainer_.run(job) for job in jobs]
-    together = ConcurrentSGD(trainer_).run(jobs)
+    concurrent = ConcurrentSGD(trainer_, fused=fused)
+    assert (concurrent.fused is not None) == fused
+    together = concurrent.run(jobs)
     for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
         assert state.keys() == expected.keys()
         for name in expected:
@@ -297,7 +318,8 @@ def test_a_job_reads_its_losses_from_the_device_once_whatever_its_steps(monkeypa
     assert reads[2] == reads[6] <= 2, reads
 
 
-def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
+def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch, fused):
     """The CUDA path's precision, on CPU: under bf16 autocast (where `vmap`'s BatchNorm rule refuses bf16 inputs,
     so BatchNorms compute in float32) the clients train as one after another does, to bf16's rounding."""
     monkeypatch.setattr(InputPipeline, "autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
@@ -308,7 +330,7 @@ def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch):
         for k, n in ((1, 13), (2, 20))
     ]
     alone = [trainer_.run(job) for job in jobs]
-    together = ConcurrentSGD(trainer_).run(jobs)
+    together = ConcurrentSGD(trainer_, fused=fused).run(jobs)
     names = list(trainer_.model.trainable_parameters())
     for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
         difference = max((state[n] - expected[n]).abs().max() for n in names)
@@ -317,7 +339,8 @@ def test_bf16_autocast_trains_concurrently_as_one_after_another(monkeypatch):
         assert loss == pytest.approx(expected_loss, rel=0.01)
 
 
-def test_random_draws_outside_dropout_layers_are_refused_in_one_line():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
+def test_random_draws_outside_dropout_layers_are_refused_in_one_line(fused):
     """A random op that is no `nn.Dropout` module (functional dropout, drop-path) cannot be drawn per client."""
     trainer_ = trainer()
     classifier = trainer_.model.base_model.fc
@@ -326,7 +349,42 @@ def test_random_draws_outside_dropout_layers_are_refused_in_one_line():
     with pytest.raises(
         ConfigError, match=r"random numbers outside its nn\.Dropout layers.*without --concurrent-clients"
     ):
-        ConcurrentSGD(trainer_).run(jobs)
+        ConcurrentSGD(trainer_, fused=fused).run(jobs)
+
+
+def test_batchnorms_with_a_cumulative_average_train_concurrently_as_one_after_another():
+    """BatchNorms of momentum None average their batches' statistics (1 / batches seen, per client)."""
+    trainer_ = trainer()
+    for module in trainer_.model.module.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = None
+    jobs = [SGDJob(perturbed(trainer_, k), images(n, k), epochs=2, lr=0.05, seed=k) for k, n in ((1, 13), (2, 20))]
+    alone = [trainer_.run(job) for job in jobs]
+    for (state, _), (expected, _) in zip(ConcurrentSGD(trainer_).run(jobs), alone, strict=True):
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+    assert any(
+        not torch.equal(expected[name], job.start[name])
+        for job, (expected, _) in zip(jobs, alone, strict=True)
+        for name in expected
+        if name.endswith("running_var")
+    )
+
+
+def test_clients_that_fit_the_memory_allowed():
+    # A step of one client peaks at 300 bytes, of two at 500: 100 fixed and 200 per client.
+    assert clients_that_fit(300, 500, allowed=1000) == 4
+    assert clients_that_fit(300, 500, allowed=899) == 3
+    assert clients_that_fit(300, 500, allowed=200) == 1  # even one does not fit: one, as without --concurrent-clients
+    assert clients_that_fit(300, 300, allowed=1000) == 701  # no measurable part per client: 1 byte each, 299 fixed
+
+
+def test_concurrent_clients_auto_trains_one_after_another_on_a_cpu_and_says_nothing(fmnist_dir, home):
+    session = tiny_session(fmnist_dir, "perada", None)
+    assert session.config.federation.concurrent_clients is None
+    console = Console(record=True, width=400)
+    assert LocalClients(session, console).concurrent is None
+    assert console.export_text() == ""
 
 
 def test_models_with_other_random_layers_train_one_after_another(fmnist_dir, home):
@@ -371,7 +429,7 @@ def test_the_methods_that_train_concurrently():
     assert not trains_by_sgd_jobs(METHODS["fedrod"])  # a partial model descending its own two risks
 
 
-def tiny_session(fmnist_dir: Path, method: str, concurrent: int, **overrides: object):
+def tiny_session(fmnist_dir: Path, method: str, concurrent: int | None, **overrides: object):
     """The tiny federation with 3 clients a round, all federated, trained `concurrent` at once."""
     # full-model training at higher rates amplifies rounding past any fixed tolerance: lr 0.01
     settings = {"clients_per_round": 3, "holdout_clients": 0, "lr": 0.01, "concurrent_clients": concurrent}

@@ -28,7 +28,6 @@ each step trains together the clients whose batches have the same shape, and a c
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -44,7 +43,9 @@ from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mas
 from peradapt.adapters.model import logits_of
 from peradapt.backbones.small_inputs import SmallInputConv2d
 from peradapt.compute.costs import sgd_samples
+from peradapt.compute.fused import RANDOM_DRAWS, FusedStep, fusable, masked_dropouts
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, finite_means, task_loss
+from peradapt.data import ImageSet
 from peradapt.errors import ConfigError
 from peradapt.seeds import derive_seed
 
@@ -89,7 +90,9 @@ def unsupported_layers(module: nn.Module) -> list[str]:
 class ConcurrentSGD:
     """Trains several `SGDJob`s at once on `trainer`'s model (see the module's docstring)."""
 
-    def __init__(self, trainer: LocalTrainer) -> None:
+    def __init__(self, trainer: LocalTrainer, fused: bool = True) -> None:
+        """`fused`: a model whose clients' state lies in modules `peradapt.compute.fused` serves trains by its fused
+        step; False, or any other model: by `vmap` over `grad` (this module's docstring)."""
         if trainer.privacy is not None:
             raise ValueError("DP-SGD clips each client's per-sample gradients: its clients train one at a time")
         self.trainer = trainer
@@ -106,6 +109,17 @@ class ConcurrentSGD:
         self.small_convs = {f"{n}.weight": m for n, m in self.module.named_modules() if isinstance(m, SmallInputConv2d)}
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
         self._gradients = vmap(grad(self._client_loss, has_aux=True))
+        self.fused = (
+            FusedStep(
+                self.module,
+                self.state_names,
+                self.dropouts,
+                trainer.inputs.autocast,
+                functools.partial(task_loss, reduction="none"),
+            )
+            if fused and fusable(self.module, self.state_names)
+            else None
+        )
 
     def run_steps(
         self,
@@ -211,18 +225,15 @@ class ConcurrentSGD:
         part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
         images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
-        masks = self._masks(images[0], [lanes[i] for i in group], together.generator)
+        masks = self._masks(images[0], [lanes[i].dropout for i in group], together.generator)
         parameters = {name: part[name] for name in together.trained}
         fixed = {name: part[name] for name in together.fixed}
         try:
-            gradients, losses = self._gradients(parameters, fixed, masks, images, labels)
+            gradients, losses = (self.fused or self._gradients)(parameters, fixed, masks, images, labels)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
-            raise ConfigError(
-                "--concurrent-clients: the model draws random numbers outside its nn.Dropout layers (e.g. drop-path "
-                "or attention dropout), which cannot be drawn per client: train without --concurrent-clients"
-            ) from None
+            raise ConfigError(RANDOM_DRAWS) from None
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
                 values, steps = list(parameters.values()), [gradients[name] for name in parameters]
@@ -270,11 +281,6 @@ class ConcurrentSGD:
             if conv is not None:
                 conv.forward = functools.partial(nn.Conv2d.forward, conv)  # type: ignore[method-assign]
                 replaced.append(conv)
-        for name, dropout in self.dropouts.items():
-            if dropout.training:
-                queue = collections.deque(masks.get(name, []))
-                dropout.forward = functools.partial(_masked, name, queue, dropout.p)  # type: ignore[method-assign]
-                replaced.append(dropout)
         for norm in self.norms:
             norm.forward = functools.partial(self.norm_forward, norm)  # type: ignore[method-assign]
             replaced.append(norm)
@@ -282,16 +288,17 @@ class ConcurrentSGD:
             projection.forward = projection.channel_product  # type: ignore[method-assign]
             replaced.append(projection)
         try:
-            yield
+            with masked_dropouts(self.dropouts, masks):
+                yield
         finally:
             for module in replaced:
                 del module.forward
 
     def _masks(
-        self, example: torch.Tensor, lanes: list[_Lane], generator: torch.Generator
+        self, example: torch.Tensor, generators: list[torch.Generator], generator: torch.Generator
     ) -> dict[str, list[torch.Tensor]]:
-        """Per dropout of a forward pass on batches like `example`, the group's masks stacked on the lane axis, one per
-        call of it in call order.
+        """Per dropout of a forward pass on batches like `example`, the group's masks stacked on the lane axis (one
+        lane per generator of `generators`), one per call of it in call order.
 
         On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
         (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.run`'s masks, exactly. Elsewhere
@@ -300,21 +307,50 @@ class ConcurrentSGD:
         calls = self._dropout_calls(example)
         if self.model.device.type != "cpu":
             stacked = [
-                torch.empty((len(lanes), len(example), *rest), device=self.model.device)
+                torch.empty((len(generators), len(example), *rest), device=self.model.device)
                 .bernoulli_(1 - self.dropouts[name].p, generator=generator)
                 .div_(1 - self.dropouts[name].p)
                 for name, rest, _ in calls
             ]
         else:
             per_client = [
-                [self._cpu_mask(name, (len(example), *rest), stride, lane.dropout) for name, rest, stride in calls]
-                for lane in lanes
+                [self._cpu_mask(name, (len(example), *rest), stride, lane) for name, rest, stride in calls]
+                for lane in generators
             ]
             stacked = [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
         masks: dict[str, list[torch.Tensor]] = {}
         for (name, _, _), mask in zip(calls, stacked, strict=True):
             masks.setdefault(name, []).append(mask)
         return masks
+
+    def peak_step_bytes(self, example: ImageSet, clients: int) -> int:
+        """The device memory one step of `clients` clients on minibatches of `example`'s images takes at its peak
+        (CUDA): their stacked states, inputs, masks, activations and gradients, measured by a step on copies of
+        the model's state (nothing of the model or the clients changes)."""
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        assert example.labels is not None
+        batch = example.images[: self.trainer.batch_size]
+        inputs = self.trainer.inputs(batch, torch.Generator().manual_seed(0))
+        labels = example.labels[: len(batch)].to(device)
+        state = self.model.state()
+        trained = set(self.parameter_names)
+        stacked = {name: torch.stack([state[name]] * clients) for name in self.state_names}
+        generators = [torch.Generator(device=device).manual_seed(0)] * clients
+        self.model.train()
+        gradients, _ = (self.fused or self._gradients)(
+            {name: tensor for name, tensor in stacked.items() if name in trained},
+            {name: tensor for name, tensor in stacked.items() if name not in trained},
+            self._masks(inputs, generators, generators[0]),
+            _stacked_inputs([inputs] * clients),
+            torch.stack([labels] * clients),
+        )
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del gradients, stacked
+        return peak
 
     def _cpu_mask(
         self, name: str, shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator
@@ -376,18 +412,6 @@ def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], facto
     torch._foreach_add_(targets, torch._foreach_mul(addends, shaped))
 
 
-def _masked(name: str, masks: collections.deque[torch.Tensor], p: float, x: torch.Tensor) -> torch.Tensor:
-    """A training dropout inside `vmap`: its next mask, recorded for this call."""
-    if p == 0:
-        return x
-    if not masks:
-        raise ConfigError(
-            f"--concurrent-clients: the model's dropout {name} runs where a pass in evaluation mode does not, so its "
-            "masks cannot be drawn ahead: train without --concurrent-clients"
-        )
-    return x * masks.popleft().to(x.dtype)
-
-
 def _native_batch_norm(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """`norm`'s own forward in float32: on CPU `vmap` batches PyTorch's BatchNorm kernel, which one client alone
     runs too, so concurrent clients round exactly as they would alone."""
@@ -420,3 +444,11 @@ def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     if norm.affine:
         normalized = normalized * norm.weight.reshape(shape) + norm.bias.reshape(shape)
     return normalized.to(x.dtype)
+
+
+def clients_that_fit(one: int, two: int, allowed: int) -> int:
+    """How many clients' steps fit in `allowed` bytes, from the peak bytes of a step of one client (`one`) and of
+    two (`two`): a step of K clients takes a fixed part plus K times each client's part (at least 1)."""
+    per_client = max(two - one, 1)
+    fixed = max(one - per_client, 0)
+    return max(1, (allowed - fixed) // per_client)

@@ -308,14 +308,17 @@ class LocalTrainer:
         """
         assert data.labels is not None, "training data must be labeled"
         generator = seeded_generator(seed)
+        stored, labels = data.images, data.labels
+        if self.inputs.device.type == "cuda":  # resident on the device for the job: one copy, not one per step
+            stored, labels = stored.to(self.inputs.device), labels.to(self.inputs.device)
         drawn, passes = 0, 0
         while (drawn < steps) if steps is not None else (passes < epochs):
             for batch in iterate_minibatches(len(data), self.batch_size, generator):
                 if steps is not None and drawn == steps:
                     return
-                images = self.inputs(data.images[batch], generator)
+                images = self.inputs(stored[batch], generator)
                 drawn += 1
-                yield images, data.labels[batch].to(self.inputs.device, non_blocking=True)
+                yield images, labels[batch].to(self.inputs.device, non_blocking=True)
             passes += 1
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:

@@ -36,7 +36,7 @@ from rich.progress import Progress
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
-from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
+from peradapt.compute.concurrent import ConcurrentSGD, clients_that_fit, unsupported_layers
 from peradapt.compute.costs import ClientWork, peak_memory, state_bytes
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label, parse_budget
@@ -72,7 +72,16 @@ from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 from peradapt.seeds import SERVER, derive_seed, sample_clients
 
-RESUMABLE_CHANGES = ("rounds", "eval_every", "device", "out", "offline", "log", "concurrent_clients")
+RESUMABLE_CHANGES = (
+    "rounds",
+    "eval_every",
+    "device",
+    "out",
+    "offline",
+    "log",
+    "concurrent_clients",
+    "gpu_memory_fraction",
+)
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 SECONDS = ("client_seconds", "aggregation_seconds", "distillation_seconds")  # a round's `timing`, summed by the report
@@ -345,7 +354,7 @@ class LocalClients:
 
     def __init__(self, session: Session, console: Console) -> None:
         self.session = session
-        self.concurrent = concurrent_training(session, console)
+        self.concurrent = concurrent_training(session, console)  # with how many clients train at once
         self._traffic: dict = {}
 
     def train(
@@ -357,10 +366,10 @@ class LocalClients:
                 updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
                 on_client(client_id)
         else:
-            together = self.session.config.federation.concurrent_clients
+            concurrent, together = self.concurrent
             for start in range(0, len(trained), together):
                 group = trained[start : start + together]
-                updates += play_clients_together(self.session, self.concurrent, group, payloads, round_index, on_client)
+                updates += play_clients_together(self.session, concurrent, group, payloads, round_index, on_client)
         # What a deployment would send: the payload's tensors and the upload's, as they are (their bytes).
         self._traffic = {
             "bytes_down": [state_bytes(payloads[client_id]) for client_id in trained],
@@ -421,12 +430,12 @@ def play_clients_together(
     return updates
 
 
-def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | None:
-    """What trains --concurrent-clients K > 1 clients at once, or None: one after another (K = 1, or a run it cannot
-    serve, which it says)."""
-    together, method = session.config.federation.concurrent_clients, session.config.method.method
-    if together == 1:
-        return None
+def concurrent_training(session: Session, console: Console) -> tuple[ConcurrentSGD, int] | None:
+    """What trains K > 1 clients at once, and K (--concurrent-clients, or auto: `clients_at_once`), or None: one
+    after another (K = 1, or a run it cannot serve, which it says)."""
+    asked, method = session.config.federation.concurrent_clients, session.config.method.method
+    if asked == 1 or (asked is None and session.device.type != "cuda"):
+        return None  # auto on a CPU: one after another, faster there (docs/BENCHMARKS.md)
     unsupported = unsupported_layers(session.trainer.model.module)
     if not trains_by_sgd_jobs(type(session.method)):
         reason = f"--method {method} trains clients with update rules of its own, not plain local SGD"
@@ -435,9 +444,32 @@ def concurrent_training(session: Session, console: Console) -> ConcurrentSGD | N
     elif unsupported:
         reason = f"the model's {unsupported[0]} draws random numbers that cannot be replayed client by client"
     else:
-        return ConcurrentSGD(session.trainer)
-    console.print(f"--concurrent-clients {together}: {reason}; clients train one after another")
+        concurrent = ConcurrentSGD(session.trainer)
+        together = asked or clients_at_once(session, concurrent, console)
+        return (concurrent, together) if together > 1 else None
+    if asked is not None:  # auto says nothing: it chose what it could
+        console.print(f"--concurrent-clients {asked}: {reason}; clients train one after another")
     return None
+
+
+def clients_at_once(session: Session, concurrent: ConcurrentSGD, console: Console) -> int:
+    """--concurrent-clients auto on a GPU: as many federated clients as fit --gpu-memory-fraction of its memory
+    (with a tenth of it kept free for the round's other tensors and the allocator's slack), each with its training
+    images resident on the device, from the peak memory of a step of one client and of two (`clients_that_fit`)."""
+    device, federation = session.device, session.config.federation
+    clients = session.data.clients[: federation.clients - federation.holdout_clients]
+    largest = max((client.train for client in clients), key=len)
+    if len(clients) < 2 or len(largest) == 0:
+        return 1
+    one, two = (concurrent.peak_step_bytes(largest, count) + count * largest.images.nbytes for count in (1, 2))
+    total = torch.cuda.get_device_properties(device).total_memory
+    allowed = int(0.9 * federation.gpu_memory_fraction * total) - torch.cuda.memory_allocated(device)
+    together = min(clients_that_fit(one, two, allowed), len(clients))
+    console.print(
+        f"--concurrent-clients auto: {together} clients at once ({two - one:,} bytes each of "
+        f"{federation.gpu_memory_fraction:g} of {total / 2**30:.0f} GiB)"
+    )
+    return together
 
 
 def training_flops(session: Session) -> int:

@@ -177,6 +177,8 @@ def build_session(
         validation_fraction=config.data.validation_fraction if config.data.eval_split == "validation" else None,
     )
     device = resolve_device(config.device)
+    if device.type == "cuda":  # the memory the user allows this run (--concurrent-clients auto fills it)
+        torch.cuda.set_per_process_memory_fraction(config.federation.gpu_memory_fraction, device)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
     backbone, info = load_backbone(
         config.backbone.backbone,
