@@ -59,6 +59,17 @@ CONCURRENT = {
 }
 
 
+# How ConcurrentSGD steps: the fused step; the fused step through `_replayed`'s captured-step buffers (replayed from
+# CUDA graphs on a GPU, run again without one here); `vmap` over `grad`.
+PATHS = ["fused", "graphed", "vmap"]
+
+
+def concurrent_sgd(trainer_: LocalTrainer, path: str) -> ConcurrentSGD:
+    concurrent = ConcurrentSGD(trainer_, fused=path != "vmap", graphs=path == "graphed")
+    assert (concurrent.fused is not None, concurrent.graphs) == (path != "vmap", path == "graphed")
+    return concurrent
+
+
 def trainer(
     backbone: str = TINY_BACKBONE, kind: str = "residual", dropout: float = 0.0, scope: str = "adapter"
 ) -> LocalTrainer:
@@ -78,12 +89,12 @@ def images(count: int, seed: int, size: int = 16) -> ImageSet:
 # ---------------------------------------------------------------- the update rule, by hand
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
-def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(fused):
+@pytest.mark.parametrize("path", PATHS)
+def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(path):
     """Three clients at once, full batches (one batch = the client's data, so minibatch order cannot matter), three
     steps each of v <- v - lr (grad L(v) + lam (v - w)) (PerAda Algorithm 1, line 10), each with its own lr, lam and
     anchor (none for the second: plain SGD, line 15); computed here with autograd on the model, client by client.
-    By the fused step and by `vmap` over `grad`."""
+    By the fused step, the fused step as CUDA graphs replay it, and by `vmap` over `grad`."""
     trainer_ = trainer()
     model, module = trainer_.model, trainer_.model.module
     w = perturbed(trainer_, seed=9)
@@ -92,8 +103,7 @@ def test_each_client_takes_the_proximal_sgd_steps_of_perada_algorithm_1_by_hand(
         SGDJob(perturbed(trainer_, seed=2), images(6, seed=2), epochs=3, lr=0.05, seed=12),
         SGDJob(perturbed(trainer_, seed=3), images(8, seed=3), epochs=3, lr=0.2, seed=13, anchor=w, lam=2.0),
     ]
-    concurrent = ConcurrentSGD(trainer_, fused=fused)
-    assert (concurrent.fused is not None) == fused
+    concurrent = concurrent_sgd(trainer_, path)
     together = concurrent.run(jobs)
 
     for job, (state, loss) in zip(jobs, together, strict=True):
@@ -203,17 +213,17 @@ FUSED = {
 }
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "vmap"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     ("backbone", "kind", "size"),
     [(TINY_BACKBONE, "residual", 16), (TINY_BACKBONE, "lora", 16), (TINY_VIT, "residual", 32), (TINY_VIT, "lora", 32)],
 )
-def test_concurrent_training_equals_one_client_after_another(backbone, kind, size, fused):
+def test_concurrent_training_equals_one_client_after_another(backbone, kind, size, path):
     """Ragged clients (13, 20, 7 and 9 images at batch 8: last batches of 5, 4, 7 and 9, one client done after one
     batch per epoch), dropout 0.3, anchors, rates and step counts differing: every state and mean loss as
     `LocalTrainer.sgd` gives them one job after another, to float rounding; by the fused step where it serves the
-    model, and by `vmap` over `grad`."""
-    if fused and not FUSED[(backbone, kind)]:
+    model (also as CUDA graphs replay it), and by `vmap` over `grad`."""
+    if path != "vmap" and not FUSED[(backbone, kind)]:
         assert ConcurrentSGD(trainer(backbone, kind)).fused is None
         return
     trainer_ = trainer(backbone, kind, dropout=0.3)
@@ -225,15 +235,41 @@ def test_concurrent_training_equals_one_client_after_another(backbone, kind, siz
         SGDJob(perturbed(trainer_, seed=4), images(9, 4, size), epochs=0, steps=3, lr=0.02, seed=104),
     ]
     alone = [trainer_.run(job) for job in jobs]
-    concurrent = ConcurrentSGD(trainer_, fused=fused)
-    assert (concurrent.fused is not None) == fused
-    together = concurrent.run(jobs)
+    together = concurrent_sgd(trainer_, path).run(jobs)
     for job, (state, loss), (expected, expected_loss) in zip(jobs, together, alone, strict=True):
         assert state.keys() == expected.keys()
         for name in expected:
             assert_close(state[name], expected[name], **TOL, msg=name)
         assert loss == pytest.approx(expected_loss, rel=1e-5)
         assert max((state[n] - job.start[n]).abs().max() for n in trainer_.model.trainable_parameters()) > 1e-3
+
+
+def test_steps_replayed_from_captured_buffers_equal_one_client_after_another(monkeypatch):
+    """Equal clients (32 images at batch 8, 2 epochs: 8 steps of every lane, the shape's first 2 eager, then
+    captured and replayed), dropout 0.3, each lane its own lr and lam: as one after another, to float rounding."""
+    import peradapt.compute.concurrent as concurrent_module
+
+    replays = []
+    real_replay = concurrent_module._Captured.replay
+
+    def counted(self):
+        replays.append(self)
+        return real_replay(self)
+
+    monkeypatch.setattr(concurrent_module._Captured, "replay", counted)
+    trainer_ = trainer(dropout=0.3)
+    w = perturbed(trainer_, seed=7)
+    jobs = [
+        SGDJob(perturbed(trainer_, k), images(32, k), epochs=2, lr=lr, seed=k, anchor=w, lam=lam)
+        for k, lr, lam in ((1, 0.05, 1.0), (2, 0.1, 0.3), (3, 0.05, 0.0))
+    ]
+    alone = [trainer_.run(job) for job in jobs]
+    together = concurrent_sgd(trainer_, "graphed").run(jobs)
+    assert len(replays) == 8 - concurrent_module.GRAPH_WARM_UP and len(set(map(id, replays))) == 1
+    for (state, loss), (expected, expected_loss) in zip(together, alone, strict=True):
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
 
 
 def test_dropout_masks_are_each_clients_own():

@@ -76,6 +76,61 @@ class _Together:
     anchors: dict[str, torch.Tensor] | None  # of the trained parameters; None: no lane is pulled
     lams: list[float]
     generator: torch.Generator  # off CPU, the group's dropout masks (see _masks)
+    eager_steps: dict[tuple[int, ...], int] = field(default_factory=dict)  # steps of every lane, by input shape
+    graphs: dict[tuple[int, ...], _Captured] = field(default_factory=dict)  # by input shape
+    _factors: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
+
+    def factors(self, values: list[float], group: list[int]) -> float | torch.Tensor:
+        """The lanes `group`'s factors of `values` (one per lane) for `_add_scaled_`: one number where they agree
+        (the usual case: one --lr, one lam), else a tensor on the device, made once per set of factors (no copy
+        from the host inside a captured step)."""
+        chosen = tuple(values[i] for i in group)
+        if len(set(chosen)) == 1:
+            return float(chosen[0])
+        if chosen not in self._factors:
+            device = next(iter(self.stacked.values())).device
+            self._factors[chosen] = torch.tensor(chosen, device=device)
+        return self._factors[chosen]
+
+
+GRAPH_WARM_UP = 2  # eager steps of a shape before its step is captured as a CUDA graph
+
+
+@dataclass
+class _StepInputs:
+    """A captured step's inputs: buffers at fixed addresses that each step fills."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    masks: dict[str, list[torch.Tensor]]
+
+    def fill(self, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images.copy_(images)
+        self.labels.copy_(labels)
+        for name, calls in masks.items():
+            torch._foreach_copy_(self.masks[name], calls)
+
+
+@dataclass
+class _Captured:
+    """One shape's step (`step`, on `inputs`) as a CUDA graph: captured at the first `replay`, replayed after;
+    without a graph (off the GPU), run again at each `replay`. `replay` gives the lanes' losses (a buffer the
+    next replay overwrites)."""
+
+    inputs: _StepInputs
+    step: Callable[[], torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None
+    losses: torch.Tensor | None = None
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            self.losses = self.step()
+        else:
+            if self.losses is None:  # capturing records the kernels without running them
+                with torch.cuda.graph(self.graph):
+                    self.losses = self.step()
+            self.graph.replay()
+        return self.losses
 
 
 def unsupported_layers(module: nn.Module) -> list[str]:
@@ -90,9 +145,11 @@ def unsupported_layers(module: nn.Module) -> list[str]:
 class ConcurrentSGD:
     """Trains several `SGDJob`s at once on `trainer`'s model (see the module's docstring)."""
 
-    def __init__(self, trainer: LocalTrainer, fused: bool = True) -> None:
+    def __init__(self, trainer: LocalTrainer, fused: bool = True, graphs: bool | None = None) -> None:
         """`fused`: a model whose clients' state lies in modules `peradapt.compute.fused` serves trains by its fused
-        step; False, or any other model: by `vmap` over `grad` (this module's docstring)."""
+        step; False, or any other model: by `vmap` over `grad` (this module's docstring). `graphs`: the fused
+        steps of every lane replayed from CUDA graphs (`_replayed`); None: on a GPU. Off the GPU, True runs the
+        same path without graphs (tests)."""
         if trainer.privacy is not None:
             raise ValueError("DP-SGD clips each client's per-sample gradients: its clients train one at a time")
         self.trainer = trainer
@@ -104,7 +161,7 @@ class ConcurrentSGD:
         self.projections = [m for m in self.module.modules() if isinstance(m, ChannelProjection)]
         self.norms = [m for m in self.module.modules() if isinstance(m, _BatchNorm)]
         # The BatchNorm kernel where `vmap` can differentiate it (CPU); elsewhere the formula (see its docstring).
-        on_cpu = trainer.model.device.type == "cpu"
+        on_cpu, on_gpu = trainer.model.device.type == "cpu", trainer.model.device.type == "cuda"
         self.norm_forward = _native_batch_norm if on_cpu else _batch_norm_by_formula
         self.small_convs = {f"{n}.weight": m for n, m in self.module.named_modules() if isinstance(m, SmallInputConv2d)}
         self._calls: dict[tuple[int, ...], list[DropoutCall]] = {}
@@ -120,6 +177,7 @@ class ConcurrentSGD:
             if fused and fusable(self.module, self.state_names)
             else None
         )
+        self.graphs = self.fused is not None and (on_gpu if graphs is None else graphs)
 
     def run_steps(
         self,
@@ -218,14 +276,38 @@ class ConcurrentSGD:
         return [self._result(lane, {n: t[i] for n, t in stacked.items()}) for i, lane in enumerate(lanes)]
 
     def _step(self, together: _Together, group: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One SGD step of the lanes `group` (indices into the stacks), each on its own batch."""
-        lanes, stacked, anchors = together.lanes, together.stacked, together.anchors
+        """One SGD step of the lanes `group` (indices into the stacks), each on its own batch. A step of every lane
+        on a GPU by the fused step replays a CUDA graph of `_update` (`_replayed`)."""
+        lanes, stacked = together.lanes, together.stacked
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
         images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
         masks = self._masks(images[0], [lanes[i].dropout for i in group], together.generator)
+        if whole and self.graphs:
+            losses = self._replayed(together, masks, images, labels)
+        else:
+            losses = self._update(together, group, index, part, masks, images, labels)
+        if index is not None:
+            with torch.no_grad():
+                for name, tensor in part.items():
+                    stacked[name][index] = tensor
+        for lane_index, loss in zip(group, losses, strict=True):
+            lanes[lane_index].losses.append(loss)
+
+    def _update(
+        self,
+        together: _Together,
+        group: list[int],
+        index: torch.Tensor | None,
+        part: dict[str, torch.Tensor],
+        masks: dict[str, list[torch.Tensor]],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's tensor work on the group's stacked state `part` (rows `index` of the stacks; None: all): each
+        lane's gradient, the proximal pull and the SGD step in place; the lanes' losses."""
         parameters = {name: part[name] for name in together.trained}
         fixed = {name: part[name] for name in together.fixed}
         try:
@@ -234,21 +316,53 @@ class ConcurrentSGD:
             if "randomness" not in str(error):
                 raise
             raise ConfigError(RANDOM_DRAWS) from None
+        anchors = together.anchors
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
                 values, steps = list(parameters.values()), [gradients[name] for name in parameters]
                 pulls = torch._foreach_sub(
                     values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
                 )
-                _add_scaled_(steps, pulls, [together.lams[i] for i in group])
+                _add_scaled_(steps, pulls, together.factors(together.lams, group))
             for factors, names in together.rates:  # v <- v - lr g
                 targets, addends = [parameters[n] for n in names], [gradients[n] for n in names]
-                _add_scaled_(targets, addends, [factors[i] for i in group])
-            if index is not None:
-                for name, tensor in part.items():
-                    stacked[name][index] = tensor
-        for lane_index, loss in zip(group, losses, strict=True):
-            lanes[lane_index].losses.append(loss)
+                _add_scaled_(targets, addends, together.factors(factors, group))
+        return losses
+
+    def _replayed(
+        self, together: _Together, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """`_update` of every lane, replayed from a CUDA graph captured for the shape of `images` once the shape's
+        first `GRAPH_WARM_UP` steps ran eagerly (on a side stream: the libraries' lazy set-up is not captured).
+        The graph reads the step's inputs and masks from buffers of its own, which each step fills (a copy each),
+        and works on the stacked state in place, as `_update` does. Off the GPU (tests) the same buffers are
+        used without a graph."""
+        key = tuple(images.shape)
+        done = together.eager_steps.get(key, 0)
+        on_gpu = self.model.device.type == "cuda"
+        everyone = list(range(len(together.lanes)))
+        if done < GRAPH_WARM_UP:
+            together.eager_steps[key] = done + 1
+            side = torch.cuda.Stream(self.model.device) if on_gpu else None
+            with contextlib.ExitStack() as stack:
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(self.model.device))
+                    stack.enter_context(torch.cuda.stream(side))
+                losses = self._update(together, everyone, None, together.stacked, masks, images, labels)
+            if side is not None:
+                torch.cuda.current_stream(self.model.device).wait_stream(side)
+            return losses
+        captured = together.graphs.get(key)
+        if captured is None:
+            copies = {name: [mask.clone() for mask in calls] for name, calls in masks.items()}
+            inputs = _StepInputs(images.clone(), labels.clone(), copies)
+            step = functools.partial(
+                self._update, together, everyone, None, together.stacked, inputs.masks, inputs.images, inputs.labels
+            )
+            captured = together.graphs[key] = _Captured(inputs, step, torch.cuda.CUDAGraph() if on_gpu else None)
+        else:
+            captured.inputs.fill(masks, images, labels)
+        return captured.replay().clone()
 
     def _client_loss(
         self,
@@ -401,14 +515,13 @@ def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
 
 
-def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: list[float]) -> None:
-    """targets += factor * addends, one factor per lane (the stacked tensors' leading axis). Lanes that share their
-    factor (the usual case: one --lr, one lam) take one fused kernel per tensor list, as `torch.optim.SGD` does."""
-    if len(set(factors)) == 1:
-        torch._foreach_add_(targets, addends, alpha=factors[0])
+def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: float | torch.Tensor) -> None:
+    """targets += factor * addends: one factor for all lanes (one fused kernel per tensor list, as
+    `torch.optim.SGD`), or one per lane (the stacked tensors' leading axis)."""
+    if isinstance(factors, float):
+        torch._foreach_add_(targets, addends, alpha=factors)
         return
-    per_lane = torch.tensor(factors, device=targets[0].device)
-    shaped = [per_lane.view(-1, *[1] * (t.dim() - 1)).to(t.dtype) for t in addends]
+    shaped = [factors.view(-1, *[1] * (t.dim() - 1)).to(t.dtype) for t in addends]
     torch._foreach_add_(targets, torch._foreach_mul(addends, shaped))
 
 

@@ -61,7 +61,9 @@ class InputPipeline:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            # Without autocast's cache of bf16 weights, which a CUDA graph cannot capture (concurrent clients'
+            # captured steps): a pass casts each weight once either way.
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
 
