@@ -4,6 +4,7 @@ batched pass through the shared model, equal to the update rule computed by hand
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,8 @@ def test_concurrent_training_equals_one_client_after_another(backbone, kind, siz
 
 def test_steps_replayed_from_captured_buffers_equal_one_client_after_another(monkeypatch):
     """Equal clients (32 images at batch 8, 2 epochs: 8 steps of every lane, the shape's first 2 eager, then
-    captured and replayed), dropout 0.3, each lane its own lr and lam: as one after another, to float rounding."""
+    captured and replayed), dropout 0.3, each lane its own lr and lam: as one after another, to float rounding; and
+    so are the next jobs of the kind, replaying the same captured step."""
     import peradapt.compute.concurrent as concurrent_module
 
     replays = []
@@ -263,13 +265,17 @@ def test_steps_replayed_from_captured_buffers_equal_one_client_after_another(mon
         SGDJob(perturbed(trainer_, k), images(32, k), epochs=2, lr=lr, seed=k, anchor=w, lam=lam)
         for k, lr, lam in ((1, 0.05, 1.0), (2, 0.1, 0.3), (3, 0.05, 0.0))
     ]
-    alone = [trainer_.run(job) for job in jobs]
-    together = concurrent_sgd(trainer_, "graphed").run(jobs)
-    assert len(replays) == 8 - concurrent_module.GRAPH_WARM_UP and len(set(map(id, replays))) == 1
-    for (state, loss), (expected, expected_loss) in zip(together, alone, strict=True):
-        for name in expected:
-            assert_close(state[name], expected[name], **TOL, msg=name)
-        assert loss == pytest.approx(expected_loss, rel=1e-5)
+    # The next round's jobs of this kind: other starts and data, the rule's tensors refilled, the same step replayed.
+    later = [replace(job, start=perturbed(trainer_, 10 + k), data=images(32, 10 + k)) for k, job in enumerate(jobs)]
+    concurrent = concurrent_sgd(trainer_, "graphed")
+    for batch in (jobs, later):
+        alone = [trainer_.run(job) for job in batch]
+        together = concurrent.run(batch)
+        for (state, loss), (expected, expected_loss) in zip(together, alone, strict=True):
+            for name in expected:
+                assert_close(state[name], expected[name], **TOL, msg=name)
+            assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert len(replays) == 2 * 8 - concurrent_module.GRAPH_WARM_UP and len(set(map(id, replays))) == 1
 
 
 def test_dropout_masks_are_each_clients_own():

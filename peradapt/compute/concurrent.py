@@ -32,6 +32,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,9 +66,20 @@ class _Lane:
 
 @dataclass
 class _Together:
-    """Jobs that train the same parameters, stepping together: the lanes' states stacked on a leading axis."""
+    """Jobs stepping together: their lanes, their update, and the generator of their dropout masks off CPU."""
 
     lanes: list[_Lane]
+    rule: _Rule
+    generator: torch.Generator  # off CPU, the group's dropout masks (see _masks)
+
+
+@dataclass
+class _Rule:
+    """The update of jobs that train the same parameters, stepping together: their states stacked on a leading axis
+    (one lane per job), what trains at which rate, the anchors and pulls. With CUDA graphs a rule is kept for the
+    next jobs of its kind (the next round's), its tensors refilled in place, so that the steps captured for it
+    (`graphs`, by input shape) replay for them too."""
+
     stacked: dict[str, torch.Tensor]  # every state key
     trained: list[str]  # the parameters that train, in the model's order
     fixed: list[str]  # the other keys: buffers (running statistics: updated in place) and frozen parameters
@@ -75,7 +87,6 @@ class _Together:
     rates: list[tuple[list[float], list[str]]]
     anchors: dict[str, torch.Tensor] | None  # of the trained parameters; None: no lane is pulled
     lams: list[float]
-    generator: torch.Generator  # off CPU, the group's dropout masks (see _masks)
     eager_steps: dict[tuple[int, ...], int] = field(default_factory=dict)  # steps of every lane, by input shape
     graphs: dict[tuple[int, ...], _Captured] = field(default_factory=dict)  # by input shape
     _factors: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
@@ -91,6 +102,13 @@ class _Together:
             device = next(iter(self.stacked.values())).device
             self._factors[chosen] = torch.tensor(chosen, device=device)
         return self._factors[chosen]
+
+    @torch.no_grad()
+    def refill(self, stacked: dict[str, list[torch.Tensor]], anchors: dict[str, list[torch.Tensor]] | None) -> None:
+        """The next jobs' states and anchors (one tensor per lane), copied into this rule's tensors."""
+        for into, sources in ((self.stacked, stacked), (self.anchors, anchors)):
+            for name, tensors in (sources or {}).items():
+                into[name].copy_(torch.stack(tensors))  # type: ignore[index]
 
 
 GRAPH_WARM_UP = 2  # eager steps of a shape before its step is captured as a CUDA graph
@@ -120,6 +138,7 @@ class _Captured:
     inputs: _StepInputs
     step: Callable[[], torch.Tensor]
     graph: torch.cuda.CUDAGraph | None
+    pool: Any = None  # the memory pool the graph allocates from (`torch.cuda.graph_pool_handle`)
     losses: torch.Tensor | None = None
 
     def replay(self) -> torch.Tensor:
@@ -127,7 +146,7 @@ class _Captured:
             self.losses = self.step()
         else:
             if self.losses is None:  # capturing records the kernels without running them
-                with torch.cuda.graph(self.graph):
+                with torch.cuda.graph(self.graph, pool=self.pool):
                     self.losses = self.step()
             self.graph.replay()
         return self.losses
@@ -178,6 +197,8 @@ class ConcurrentSGD:
             else None
         )
         self.graphs = self.fused is not None and (on_gpu if graphs is None else graphs)
+        self._rules: dict[tuple, _Rule] = {}  # with graphs: kept for the next jobs like theirs (`_rule`)
+        self._pool: Any = None  # with graphs on a GPU: the memory pool of all captured steps
 
     def run_steps(
         self,
@@ -230,17 +251,7 @@ class ConcurrentSGD:
     def _run_together(self, jobs: list[SGDJob]) -> list[SGDResult]:
         """`run` of jobs that all train the same parameters."""
         device = self.model.device
-        trained = list(jobs[0].rates(self.parameter_names))
-        stacked = {name: torch.stack([job.start[name] for job in jobs]).to(device) for name in self.state_names}
-        anchored = [job.anchor is not None and job.lam > 0 for job in jobs]
-        anchors = None
-        if any(anchored):  # a job without a pull gets lam 0 and its own start as anchor: it adds exactly 0
-            sources = [job.anchor if pulled else job.start for job, pulled in zip(jobs, anchored, strict=True)]
-            anchors = {n: torch.stack([s[n] for s in sources]).to(device) for n in trained}  # type: ignore[index]
-        lane_rates = [job.rates(trained) for job in jobs]
-        rates: dict[tuple[float, ...], list[str]] = {}
-        for name in trained:
-            rates.setdefault(tuple(-lane[name] for lane in lane_rates), []).append(name)
+        rule = self._rule(jobs)
         lanes = [
             _Lane(
                 job,
@@ -249,16 +260,8 @@ class ConcurrentSGD:
             )
             for job in jobs
         ]
-        together = _Together(
-            lanes,
-            stacked,
-            trained,
-            [name for name in self.state_names if name not in set(trained)],
-            [(list(factors), names) for factors, names in rates.items()],
-            anchors,
-            [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)],
-            torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs))),  # see _masks
-        )
+        masks = torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs)))  # see _masks
+        together = _Together(lanes, rule, masks)
         self.model.train()
         while True:
             batches = {}
@@ -273,32 +276,65 @@ class ConcurrentSGD:
                 shapes.setdefault(tuple(images.shape), []).append(index)
             for group in shapes.values():
                 self._step(together, group, [batches[i] for i in group])
-        return [self._result(lane, {n: t[i] for n, t in stacked.items()}) for i, lane in enumerate(lanes)]
+        return [self._result(lane, {n: t[i] for n, t in rule.stacked.items()}) for i, lane in enumerate(lanes)]
+
+    def _rule(self, jobs: list[SGDJob]) -> _Rule:
+        """The `_Rule` of `jobs`, their states and anchors stacked; with CUDA graphs the kept rule of jobs like
+        these (same count, parameters, rates and pulls), refilled."""
+        device = self.model.device
+        trained = list(jobs[0].rates(self.parameter_names))
+        stacked = {name: [job.start[name].to(device) for job in jobs] for name in self.state_names}
+        anchored = [job.anchor is not None and job.lam > 0 for job in jobs]
+        anchors = None
+        if any(anchored):  # a job without a pull gets lam 0 and its own start as anchor: it adds exactly 0
+            sources = [job.anchor if pulled else job.start for job, pulled in zip(jobs, anchored, strict=True)]
+            anchors = {n: [s[n].to(device) for s in sources] for n in trained}  # type: ignore[index]
+        lane_rates = [job.rates(trained) for job in jobs]
+        rates: dict[tuple[float, ...], list[str]] = {}
+        for name in trained:
+            rates.setdefault(tuple(-lane[name] for lane in lane_rates), []).append(name)
+        lams = [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)]
+        key = (len(jobs), anchors is not None, tuple(lams), tuple((f, tuple(n)) for f, n in rates.items()))
+        kept = self._rules.get(key) if self.graphs else None
+        if kept is not None:
+            kept.refill(stacked, anchors)
+            return kept
+        rule = _Rule(
+            {name: torch.stack(tensors) for name, tensors in stacked.items()},
+            trained,
+            [name for name in self.state_names if name not in set(trained)],
+            [(list(factors), names) for factors, names in rates.items()],
+            None if anchors is None else {name: torch.stack(tensors) for name, tensors in anchors.items()},
+            lams,
+        )
+        if self.graphs:
+            self._rules[key] = rule
+        return rule
 
     def _step(self, together: _Together, group: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One SGD step of the lanes `group` (indices into the stacks), each on its own batch. A step of every lane
-        on a GPU by the fused step replays a CUDA graph of `_update` (`_replayed`)."""
-        lanes, stacked = together.lanes, together.stacked
+        by the fused step may be a CUDA graph's replay (`_replayed`)."""
+        lanes, rule = together.lanes, together.rule
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
-        part = stacked if index is None else {name: tensor[index] for name, tensor in stacked.items()}
+        part = rule.stacked if index is None else {name: tensor[index] for name, tensor in rule.stacked.items()}
         images = _stacked_inputs([images for images, _ in batches])
         labels = torch.stack([labels for _, labels in batches])
         masks = self._masks(images[0], [lanes[i].dropout for i in group], together.generator)
         if whole and self.graphs:
-            losses = self._replayed(together, masks, images, labels)
+            losses = self._replayed(rule, masks, images, labels)
         else:
-            losses = self._update(together, group, index, part, masks, images, labels)
+            losses = self._update(rule, group, index, part, masks, images, labels)
         if index is not None:
             with torch.no_grad():
                 for name, tensor in part.items():
-                    stacked[name][index] = tensor
+                    rule.stacked[name][index] = tensor
         for lane_index, loss in zip(group, losses, strict=True):
             lanes[lane_index].losses.append(loss)
 
     def _update(
         self,
-        together: _Together,
+        rule: _Rule,
         group: list[int],
         index: torch.Tensor | None,
         part: dict[str, torch.Tensor],
@@ -306,60 +342,64 @@ class ConcurrentSGD:
         images: torch.Tensor,
         labels: torch.Tensor,
     ) -> torch.Tensor:
-        """The step's tensor work on the group's stacked state `part` (rows `index` of the stacks; None: all): each
-        lane's gradient, the proximal pull and the SGD step in place; the lanes' losses."""
-        parameters = {name: part[name] for name in together.trained}
-        fixed = {name: part[name] for name in together.fixed}
+        """The step's tensor work on the lanes `group`'s stacked state `part` (rows `index` of the stacks; None:
+        all): each lane's gradient, the proximal pull and the SGD step in place; the lanes' losses."""
+        parameters = {name: part[name] for name in rule.trained}
+        fixed = {name: part[name] for name in rule.fixed}
         try:
             gradients, losses = (self.fused or self._gradients)(parameters, fixed, masks, images, labels)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
             raise ConfigError(RANDOM_DRAWS) from None
-        anchors = together.anchors
+        anchors = rule.anchors
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
                 values, steps = list(parameters.values()), [gradients[name] for name in parameters]
                 pulls = torch._foreach_sub(
                     values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
                 )
-                _add_scaled_(steps, pulls, together.factors(together.lams, group))
-            for factors, names in together.rates:  # v <- v - lr g
+                _add_scaled_(steps, pulls, rule.factors(rule.lams, group))
+            for factors, names in rule.rates:  # v <- v - lr g
                 targets, addends = [parameters[n] for n in names], [gradients[n] for n in names]
-                _add_scaled_(targets, addends, together.factors(factors, group))
+                _add_scaled_(targets, addends, rule.factors(factors, group))
         return losses
 
     def _replayed(
-        self, together: _Together, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor
+        self, rule: _Rule, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
-        """`_update` of every lane, replayed from a CUDA graph captured for the shape of `images` once the shape's
-        first `GRAPH_WARM_UP` steps ran eagerly (on a side stream: the libraries' lazy set-up is not captured).
-        The graph reads the step's inputs and masks from buffers of its own, which each step fills (a copy each),
-        and works on the stacked state in place, as `_update` does. Off the GPU (tests) the same buffers are
-        used without a graph."""
+        """`_update` of every lane, replayed from a CUDA graph captured for `rule` and the shape of `images` once
+        the first `GRAPH_WARM_UP` such steps ran eagerly (on a side stream: the libraries' lazy set-up is not
+        captured). The graph reads the step's inputs and masks from buffers of its own, which each step fills (a
+        copy each), and works on the rule's stacked state in place, as `_update` does. All graphs share one memory
+        pool: they run one after another. Off the GPU (tests) the same buffers are used without a graph."""
         key = tuple(images.shape)
-        done = together.eager_steps.get(key, 0)
-        on_gpu = self.model.device.type == "cuda"
-        everyone = list(range(len(together.lanes)))
+        done = rule.eager_steps.get(key, 0)
+        device = self.model.device
+        on_gpu = device.type == "cuda"
+        everyone = list(range(len(images)))
         if done < GRAPH_WARM_UP:
-            together.eager_steps[key] = done + 1
-            side = torch.cuda.Stream(self.model.device) if on_gpu else None
+            rule.eager_steps[key] = done + 1
+            side = torch.cuda.Stream(device) if on_gpu else None
             with contextlib.ExitStack() as stack:
                 if side is not None:
-                    side.wait_stream(torch.cuda.current_stream(self.model.device))
+                    side.wait_stream(torch.cuda.current_stream(device))
                     stack.enter_context(torch.cuda.stream(side))
-                losses = self._update(together, everyone, None, together.stacked, masks, images, labels)
+                losses = self._update(rule, everyone, None, rule.stacked, masks, images, labels)
             if side is not None:
-                torch.cuda.current_stream(self.model.device).wait_stream(side)
+                torch.cuda.current_stream(device).wait_stream(side)
             return losses
-        captured = together.graphs.get(key)
+        captured = rule.graphs.get(key)
         if captured is None:
             copies = {name: [mask.clone() for mask in calls] for name, calls in masks.items()}
             inputs = _StepInputs(images.clone(), labels.clone(), copies)
             step = functools.partial(
-                self._update, together, everyone, None, together.stacked, inputs.masks, inputs.images, inputs.labels
+                self._update, rule, everyone, None, rule.stacked, inputs.masks, inputs.images, inputs.labels
             )
-            captured = together.graphs[key] = _Captured(inputs, step, torch.cuda.CUDAGraph() if on_gpu else None)
+            if on_gpu and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph() if on_gpu else None
+            captured = rule.graphs[key] = _Captured(inputs, step, graph, self._pool)
         else:
             captured.inputs.fill(masks, images, labels)
         return captured.replay().clone()
