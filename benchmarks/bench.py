@@ -56,7 +56,8 @@ MEAN, STD = (0.5,) * CHANNELS, (0.25,) * CHANNELS
 ESTIMATE_PRESET = "perada-cifar10"
 CIFAR10_TRAIN, CIFAR10_TEST, CIFAR10_VAL_SHARE = 50_000, 10_000, 0.1
 LAM, LR, DROPOUT = 1.0, 0.01, 0.3  # the paper's λ, client learning rate and adapter dropout
-GPU_GOALS = {"concurrent_vs_sequential": (4.0, True)}  # on CPU, measured with no goal: compute, not launches, binds
+# On CPU, measured with no goal: compute, not launches, binds
+GPU_GOALS = {"concurrent_vs_sequential": (4.0, True), "fused_step_vs_inference": (0.40, True)}
 GOALS = {  # (key, goal, whether bigger is better)
     "adapter_step_vs_inference": (0.40, True),
     "state_ratio": (15.0, True),
@@ -75,6 +76,7 @@ class Settings:
     threads: int = 1  # see --threads
     repeats: int = 15  # adapter step against inference
     step_batches: int = 4  # minibatches per timed call of LocalTrainer.sgd
+    fused_steps: int = 8  # steps per client per timed call of the fused step (concurrent phase)
     kd_teachers: int = 8  # the paper's 8 sampled clients per round
     kd_images: int = 512
     kd_batch_size: int = 128
@@ -122,6 +124,7 @@ SMOKE = Settings(
     batch_size=8,
     repeats=1,
     step_batches=1,
+    fused_steps=1,
     kd_teachers=2,
     kd_images=16,
     kd_batch_size=8,
@@ -402,11 +405,14 @@ def engine_overhead(settings: Settings) -> dict:
 
 def concurrent_vs_sequential(settings: Settings) -> dict:
     """The client side of a PerAda round (8 clients, each its personal then its local epochs) with the clients
-    trained together (`--concurrent-clients 8`: `ConcurrentSGD`, by its fused step and by `vmap` over `grad`)
-    against one after another (`client_update`)."""
+    trained together (`--concurrent-clients 8`: `ConcurrentSGD`, by its fused step; on a GPU also without CUDA
+    graphs; and by `vmap` over `grad`) against one after another (`client_update`). Then the fused step itself
+    (`fused_step_vs_inference`): the 8 clients' steps of batch 64 at once against inference of the plain backbone
+    on batches of 8 x 64 images."""
     method, clients = perada_round(settings)
     initial = method.context.initial
     assert isinstance(method, LocalSGDMethod)
+    gpu = settings.device == "cuda"
     fused, by_vmap = ConcurrentSGD(method.trainer), ConcurrentSGD(method.trainer, fused=False)
     assert fused.fused is not None, "the bench's model is one the fused step serves"
 
@@ -420,11 +426,12 @@ def concurrent_vs_sequential(settings: Settings) -> dict:
 
         return run
 
-    times = interleaved(
-        {"sequential": one_after_another, "fused": together(fused), "vmap": together(by_vmap)}, settings.round_repeats
-    )
+    candidates = {"sequential": one_after_another, "fused": together(fused), "vmap": together(by_vmap)}
+    if gpu:
+        candidates["fused_eager"] = together(ConcurrentSGD(method.trainer, graphs=False))
+    times = interleaved(candidates, settings.round_repeats)
     images = len(clients) * 2 * settings.round_epochs * settings.client_images
-    return {
+    results = {
         "concurrent_vs_sequential": median_ratio(times["sequential"], times["fused"]),
         "vmap_vs_sequential": median_ratio(times["sequential"], times["vmap"]),
         "fused_vs_vmap": median_ratio(times["vmap"], times["fused"]),
@@ -432,6 +439,41 @@ def concurrent_vs_sequential(settings: Settings) -> dict:
         "concurrent_clients_round_s": statistics.median(times["fused"]),
         "sequential_clients_round_s": statistics.median(times["sequential"]),
         "concurrent_images_per_s": images / statistics.median(times["fused"]),
+    }
+    if gpu:
+        results["graphs_vs_eager"] = median_ratio(times["fused_eager"], times["fused"])
+    return results | fused_step_vs_inference(settings, method.trainer, len(clients))
+
+
+def fused_step_vs_inference(settings: Settings, trainer: LocalTrainer, clients: int) -> dict:
+    """`clients` clients' proximal steps at once (jobs of `fused_steps` steps of batch `batch_size` each, as
+    `ConcurrentSGD.run` takes them: inputs, masks, the fused forward and backward, the pull and the SGD step)
+    against inference of the plain backbone on the same images, `clients` x `batch_size` at a time."""
+    batch = settings.batch_size
+    data = random_images(batch * settings.fused_steps, settings, seed=1)
+    anchor = perturbed(trainer.model, seed=2)
+    jobs = [
+        SGDJob(perturbed(trainer.model, seed=30 + k), data, 1, LR, seed=k, anchor=anchor, lam=LAM)
+        for k in range(clients)
+    ]
+    concurrent = ConcurrentSGD(trainer)
+    plain = on_device(create_backbone(settings.backbone, CLASSES, CHANNELS).requires_grad_(False).eval(), settings)
+    inputs = trainer.inputs(data.images)
+    everything = inputs.repeat(clients, 1, 1, 1)  # each client's images, as the fused step trains on them
+    chunks = list(everything.split(clients * batch))
+
+    def inference() -> None:
+        with torch.inference_mode(), trainer.inputs.autocast():
+            for chunk in chunks:
+                plain(chunk)
+
+    times = interleaved({"fused": lambda: concurrent.run(jobs), "inference": inference}, settings.repeats)
+    images = clients * len(data)
+    return {
+        "fused_step_vs_inference": median_ratio(times["inference"], times["fused"]),
+        "fused_step_images_per_s": images / statistics.median(times["fused"]),
+        "fused_inference_images_per_s": images / statistics.median(times["inference"]),
+        "fused_step_batch": clients * batch,
     }
 
 
@@ -535,7 +577,25 @@ def estimate(settings: Settings) -> dict:
 
         return run
 
-    steps = interleaved({"personal": sgd(True), "local": sgd(False)}, settings.repeats)
+    concurrent = ConcurrentSGD(trainer)
+    others = [perturbed(model, seed=20 + k) for k in range(fed.clients_per_round)]
+
+    def together(proximal: bool) -> Callable[[], None]:
+        """A step of the round's clients at once (--concurrent-clients auto on a GPU trains them so)."""
+        jobs = [
+            SGDJob(s, data, 1, method.lr, seed=k, anchor=anchor if proximal else None, lam=method.lam)
+            for k, s in enumerate(others)
+        ]
+
+        def run() -> None:
+            concurrent.run(jobs)
+
+        return run
+
+    candidates = {"personal": sgd(True), "local": sgd(False)}
+    if gpu:
+        candidates |= {"personal_together": together(True), "local_together": together(False)}
+    steps = interleaved(candidates, settings.repeats)
     personal_s = statistics.median(steps["personal"]) / settings.step_batches
     local_s = statistics.median(steps["local"]) / settings.step_batches
 
@@ -589,6 +649,14 @@ def estimate(settings: Settings) -> dict:
     client_round_s = (
         fed.clients_per_round * steps_per_epoch * (method.personal_epochs * personal_s + method.local_epochs * local_s)
     )
+    sequential_client_s = fed.rounds * client_round_s
+    together_s: dict[str, float] = {}
+    if gpu:  # the round's clients as one (what auto does there): a step of all of them per step of one
+        for kind in ("personal", "local"):
+            together_s[kind] = statistics.median(steps[f"{kind}_together"]) / settings.step_batches
+        client_round_s = steps_per_epoch * (
+            method.personal_epochs * together_s["personal"] + method.local_epochs * together_s["local"]
+        )
     check_every = distill.kd_eval_every or max(1, distill.kd_steps // 10)
     kd_checks = 1 + -(-distill.kd_steps // check_every)  # the starting mean's, then every check_every and the last
     kd_step_s = kd_step_measured * distill.kd_batch_size / kd_batch
@@ -605,6 +673,10 @@ def estimate(settings: Settings) -> dict:
     hours = 1 / 3600
     return {
         "estimate_run_hours": (client_s + kd_rounds * kd_phase_s + evaluation_s) * hours,
+        # With the clients one after another (on a GPU; on a CPU that is what auto does, the same figure)
+        "estimate_run_hours_sequential": (sequential_client_s + kd_rounds * kd_phase_s + evaluation_s) * hours,
+        "estimate_clients_at_once": fed.clients_per_round if gpu else 1,
+        **{f"estimate_client_{k}_step_together_s": v for k, v in together_s.items()},
         "estimate_run_hours_kd_every_round": (client_s + fed.rounds * kd_phase_s + evaluation_s) * hours,
         "estimate_client_side_hours": client_s * hours,
         "estimate_distillation_hours": kd_rounds * kd_phase_s * hours,

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from peradapt.compute.concurrent import ConcurrentSGD
+from peradapt.compute.trainer import SGDJob
 from peradapt.config import TrainConfig
 from peradapt.federation.session import build_session
 
@@ -110,7 +113,7 @@ def test_concurrent_clients_on_the_gpu_agree_with_one_after_another_and_resume_b
     the very files of an uninterrupted one."""
     alone, together = tmp_path / "alone", tmp_path / "together"
     no_dropout = ("--device", DEVICE, "--adapter-dropout", "0")
-    assert run_cli(tiny_args(fmnist_dir, alone, *no_dropout), capsys, monkeypatch)[0] == 0
+    assert run_cli(tiny_args(fmnist_dir, alone, *no_dropout, "--concurrent-clients", "1"), capsys, monkeypatch)[0] == 0
     code, _, err = run_cli(
         tiny_args(fmnist_dir, together, *no_dropout, "--concurrent-clients", "2"), capsys, monkeypatch
     )
@@ -128,3 +131,37 @@ def test_concurrent_clients_on_the_gpu_agree_with_one_after_another_and_resume_b
     code, _, err = run_cli(tiny_args(fmnist_dir, crashed, *concurrent, "--resume"), capsys, monkeypatch)
     assert code == 0, err
     assert results(crashed) == results(whole)
+
+
+def test_concurrent_clients_auto_trains_a_rounds_clients_together_on_the_gpu(
+    tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    """The default --concurrent-clients auto: on a GPU as many clients at once as fit (all of the tiny run's), on a
+    CPU one after another, saying nothing."""
+    code, _, err = run_cli(tiny_args(fmnist_dir, tmp_path / "auto", "--device", DEVICE), capsys, monkeypatch)
+    assert code == 0, err
+    chosen = re.search(r"--concurrent-clients auto: (\d+) clients at once", err)
+    assert (int(chosen.group(1)) if chosen else 1) > 1 if DEVICE == "cuda" else chosen is None, err
+
+
+def test_fused_steps_replayed_from_cuda_graphs_train_as_one_after_another_on_the_device():
+    """Equal clients, so that their steps are captured and replayed (`_replayed`), no dropout: each client's
+    adapter after 8 steps as one after another on the same device gives it, to bf16's rounding."""
+    from .test_concurrent import images, perturbed, trainer
+
+    trainer_ = trainer()
+    trainer_.model.module.to(DEVICE)
+    trainer_.inputs.device = torch.device(DEVICE)
+    w = perturbed(trainer_, seed=7)
+    jobs = [
+        SGDJob(perturbed(trainer_, k), images(32, k), epochs=2, lr=0.05, seed=k, anchor=w, lam=lam)
+        for k, lam in ((1, 1.0), (2, 0.0), (3, 0.3))
+    ]
+    alone = [trainer_.run(job) for job in jobs]
+    concurrent = ConcurrentSGD(trainer_)
+    assert concurrent.fused is not None and concurrent.graphs == (DEVICE == "cuda")
+    names = list(trainer_.model.trainable_parameters())
+    for job, (state, _), (expected, _) in zip(jobs, concurrent.run(jobs), alone, strict=True):
+        difference = max((state[n] - expected[n]).abs().max() for n in names)
+        moved = max((expected[n] - job.start[n]).abs().max() for n in names)
+        assert difference < 0.02 * moved, (difference, moved)

@@ -55,7 +55,8 @@ def perturbed(trainer: LocalTrainer, seed: int, scale: float = 0.1) -> dict[str,
     generator = torch.Generator().manual_seed(seed)
     state = trainer.model.state()
     for name in trainer.model.trainable_parameters():
-        state[name] = state[name] + scale * torch.randn(state[name].shape, generator=generator)
+        noise = torch.randn(state[name].shape, generator=generator).to(state[name].device)
+        state[name] = state[name] + scale * noise
     return state
 
 

@@ -455,7 +455,9 @@ def concurrent_training(session: Session, console: Console) -> tuple[ConcurrentS
 def clients_at_once(session: Session, concurrent: ConcurrentSGD, console: Console) -> int:
     """--concurrent-clients auto on a GPU: as many federated clients as fit --gpu-memory-fraction of its memory
     (with a tenth of it kept free for the round's other tensors and the allocator's slack), each with its training
-    images resident on the device, from the peak memory of a step of one client and of two (`clients_that_fit`)."""
+    images resident on the device, from the peak memory of a step of one client and of two (`clients_that_fit`).
+    Steps replayed from CUDA graphs hold their memory twice: the captured steps' pool, and the blocks the eager
+    warm-up steps left in the allocator's cache."""
     device, federation = session.device, session.config.federation
     clients = session.data.clients[: federation.clients - federation.holdout_clients]
     largest = max((client.train for client in clients), key=len)
@@ -464,6 +466,8 @@ def clients_at_once(session: Session, concurrent: ConcurrentSGD, console: Consol
     one, two = (concurrent.peak_step_bytes(largest, count) + count * largest.images.nbytes for count in (1, 2))
     total = torch.cuda.get_device_properties(device).total_memory
     allowed = int(0.9 * federation.gpu_memory_fraction * total) - torch.cuda.memory_allocated(device)
+    if concurrent.graphs:
+        allowed //= 2
     together = min(clients_that_fit(one, two, allowed), len(clients))
     console.print(
         f"--concurrent-clients auto: {together} clients at once ({two - one:,} bytes each of "
