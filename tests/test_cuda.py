@@ -8,6 +8,7 @@ drives): their logic is then checked everywhere, and only the CUDA kernels wait 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from peradapt.compute.concurrent import ConcurrentSGD
-from peradapt.compute.trainer import SGDJob
+from peradapt.compute.trainer import InputPipeline, SGDJob
 from peradapt.config import TrainConfig
 from peradapt.federation.session import build_session
 
@@ -144,11 +145,15 @@ def test_concurrent_clients_auto_trains_a_rounds_clients_together_on_the_gpu(
     assert (int(chosen.group(1)) if chosen else 1) > 1 if DEVICE == "cuda" else chosen is None, err
 
 
-def test_fused_steps_replayed_from_cuda_graphs_train_as_one_after_another_on_the_device():
-    """Equal clients, so that their steps are captured and replayed (`_replayed`), no dropout: each client's
-    adapter after 8 steps as one after another on the same device gives it, to bf16's rounding."""
+def test_fused_steps_replayed_from_cuda_graphs_train_as_one_after_another_on_the_device(monkeypatch):
+    """Equal clients, so that their steps are captured and replayed (`_replayed`), no dropout, in float32 (no
+    autocast, no TF32 convolutions): each client's adapter after 8 steps is the one training one after another on
+    the same device gives it, to float rounding. (In bf16 the two round differently at every step; the run-level
+    test above compares them.)"""
     from .test_concurrent import images, perturbed, trainer
 
+    monkeypatch.setattr(InputPipeline, "autocast", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     trainer_ = trainer()
     trainer_.model.module.to(DEVICE)
     trainer_.inputs.device = torch.device(DEVICE)
@@ -164,4 +169,4 @@ def test_fused_steps_replayed_from_cuda_graphs_train_as_one_after_another_on_the
     for job, (state, _), (expected, _) in zip(jobs, concurrent.run(jobs), alone, strict=True):
         difference = max((state[n] - expected[n]).abs().max() for n in names)
         moved = max((expected[n] - job.start[n]).abs().max() for n in names)
-        assert difference < 0.02 * moved, (difference, moved)
+        assert difference < 1e-3 * moved, (difference, moved)

@@ -178,7 +178,8 @@ def build_session(
     )
     device = resolve_device(config.device)
     if device.type == "cuda":  # the memory the user allows this run (--concurrent-clients auto fills it)
-        torch.cuda.set_per_process_memory_fraction(config.federation.gpu_memory_fraction, device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(config.federation.gpu_memory_fraction, index)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
     backbone, info = load_backbone(
         config.backbone.backbone,
