@@ -278,6 +278,20 @@ def test_steps_replayed_from_captured_buffers_equal_one_client_after_another(mon
     assert len(replays) == 2 * 8 - concurrent_module.GRAPH_WARM_UP and len(set(map(id, replays))) == 1
 
 
+@pytest.mark.parametrize("augment", ["crop-flip", "resized-crop"])
+def test_augmented_clients_train_concurrently_as_one_after_another(augment):
+    """Each lane's crops and flips drawn from its own generator in `minibatches`' order, applied to all the lanes'
+    images at once (one gather, one resampling): the augmented batches of one after another, to float rounding."""
+    trainer_ = trainer(dropout=0.3)
+    trainer_.inputs = replace(trainer_.inputs, augment=augment, image_size=16)
+    jobs = [SGDJob(perturbed(trainer_, k), images(n, k), epochs=2, lr=0.05, seed=k) for k, n in ((1, 13), (2, 20))]
+    alone = [trainer_.run(job) for job in jobs]
+    for (state, loss), (expected, expected_loss) in zip(ConcurrentSGD(trainer_).run(jobs), alone, strict=True):
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
 def test_dropout_masks_are_each_clients_own():
     """The agreement above rests on each client's dropout masks: with another job's seed (so other masks, the same
     minibatch order being irrelevant on a full batch), the same client lands far outside the tolerance."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ from peradapt.compute.costs import sgd_samples
 from peradapt.compute.fused import RANDOM_DRAWS, FusedStep, fusable, masked_dropouts
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, finite_means, task_loss
 from peradapt.data import ImageSet
+from peradapt.data.batches import AugmentationDraws
 from peradapt.errors import ConfigError
 from peradapt.seeds import derive_seed
 
@@ -56,10 +58,12 @@ DropoutCall = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 @dataclass
 class _Lane:
-    """One job's progress: its minibatches, its dropout generator, its losses so far."""
+    """One job's progress: its index batches (`LocalTrainer.index_batches`) into its rows of the pooled images,
+    which start at `offset`; its dropout generator; its losses so far."""
 
     job: SGDJob
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    batches: Iterator[tuple[torch.Tensor, torch.Generator]]
+    offset: int
     dropout: torch.Generator
     losses: list[torch.Tensor] = field(default_factory=list)
 
@@ -249,34 +253,65 @@ class ConcurrentSGD:
         return [results[index] for index in range(len(jobs))]
 
     def _run_together(self, jobs: list[SGDJob]) -> list[SGDResult]:
-        """`run` of jobs that all train the same parameters."""
+        """`run` of jobs that all train the same parameters. Their images are pooled (on a GPU, resident there for
+        the jobs), so that a step's inputs for all its lanes are one gather, one augmentation and one normalization
+        (`_inputs`); each lane's batch and augmentation are drawn from its own generator, in `LocalTrainer.run`'s
+        order."""
         device = self.model.device
         rule = self._rule(jobs)
+        offsets = [0]
+        for job in jobs[:-1]:
+            offsets.append(offsets[-1] + len(job.data))
         lanes = [
             _Lane(
                 job,
-                self.trainer.minibatches(job.data, epochs=job.epochs, seed=job.seed, steps=job.steps),
+                self.trainer.index_batches(len(job.data), epochs=job.epochs, seed=job.seed, steps=job.steps),
+                offset,
                 torch.Generator(device=device).manual_seed(job.seed),
             )
-            for job in jobs
+            for job, offset in zip(jobs, offsets, strict=True)
         ]
+        pooled = self._pooled([job.data for job in jobs])
+        image_size = tuple(pooled[0].shape[2:])
         masks = torch.Generator(device=device).manual_seed(derive_seed(*(job.seed for job in jobs)))  # see _masks
         together = _Together(lanes, rule, masks)
         self.model.train()
         while True:
-            batches = {}
+            drawn: dict[int, tuple[torch.Tensor, AugmentationDraws | None]] = {}
             for index, lane in enumerate(lanes):
                 batch = next(lane.batches, None)  # an ended lane's generator stays ended
                 if batch is not None:
-                    batches[index] = batch
-            if not batches:
+                    rows, generator = batch
+                    # drawn now, before the lane's next batch: its generator's order is `minibatches`'
+                    drawn[index] = (rows + lane.offset, self.trainer.inputs.draw(len(rows), image_size, generator))
+            if not drawn:
                 break
-            shapes: dict[tuple[int, ...], list[int]] = {}
-            for index, (images, _) in batches.items():
-                shapes.setdefault(tuple(images.shape), []).append(index)
-            for group in shapes.values():
-                self._step(together, group, [batches[i] for i in group])
+            sizes: dict[int, list[int]] = {}
+            for index, (rows, _) in drawn.items():
+                sizes.setdefault(len(rows), []).append(index)
+            for group in sizes.values():
+                self._step(together, group, *self._inputs(pooled, [drawn[i] for i in group]))
         return [self._result(lane, {n: t[i] for n, t in rule.stacked.items()}) for i, lane in enumerate(lanes)]
+
+    def _pooled(self, data: list[ImageSet]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The jobs' images and labels, one after another, on the model's device."""
+        device = self.model.device
+        labels = [part.labels for part in data]
+        assert all(part is not None for part in labels), "training data must be labeled"
+        return torch.cat([part.images for part in data]).to(device), torch.cat(labels).to(device)  # type: ignore[arg-type]
+
+    def _inputs(
+        self, pooled: tuple[torch.Tensor, torch.Tensor], drawn: list[tuple[torch.Tensor, AugmentationDraws | None]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's inputs [K, B, ...] and labels [K, B, ...] of K lanes' rows of the pooled images and their
+        augmentation draws: one gather, one augmentation, one normalization for all of them."""
+        images, labels = pooled
+        rows = torch.cat([lane_rows for lane_rows, _ in drawn]).to(images.device, non_blocking=True)
+        draws = None
+        if drawn[0][1] is not None:
+            draws = tuple(torch.cat(parts) for parts in zip(*(lane_draws for _, lane_draws in drawn), strict=True))
+        inputs = self.trainer.inputs.prepared(images[rows], draws)
+        return inputs.unflatten(0, (len(drawn), -1)), labels[rows].unflatten(0, (len(drawn), -1))
 
     def _rule(self, jobs: list[SGDJob]) -> _Rule:
         """The `_Rule` of `jobs`, their states and anchors stacked; with CUDA graphs the kept rule of jobs like
@@ -311,15 +346,13 @@ class ConcurrentSGD:
             self._rules[key] = rule
         return rule
 
-    def _step(self, together: _Together, group: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _step(self, together: _Together, group: list[int], images: torch.Tensor, labels: torch.Tensor) -> None:
         """One SGD step of the lanes `group` (indices into the stacks), each on its own batch. A step of every lane
         by the fused step may be a CUDA graph's replay (`_replayed`)."""
         lanes, rule = together.lanes, together.rule
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = rule.stacked if index is None else {name: tensor[index] for name, tensor in rule.stacked.items()}
-        images = _stacked_inputs([images for images, _ in batches])
-        labels = torch.stack([labels for _, labels in batches])
         masks = self._masks(images[0], [lanes[i].dropout for i in group], together.generator)
         if whole and self.graphs:
             losses = self._replayed(rule, masks, images, labels)
@@ -456,16 +489,20 @@ class ConcurrentSGD:
 
         On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
         (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.run`'s masks, exactly. Elsewhere
-        `nn.Dropout` draws inside a fused kernel that cannot be replayed, so the whole group's masks of a call are
-        one draw from `generator` (one kernel instead of one per client)."""
+        `nn.Dropout` draws inside a fused kernel that cannot be replayed, so the whole group's masks of all calls of
+        one rate are one draw from `generator` (one kernel instead of one per client and call)."""
         calls = self._dropout_calls(example)
-        if self.model.device.type != "cpu":
-            stacked = [
-                torch.empty((len(generators), len(example), *rest), device=self.model.device)
-                .bernoulli_(1 - self.dropouts[name].p, generator=generator)
-                .div_(1 - self.dropouts[name].p)
-                for name, rest, _ in calls
-            ]
+        if self.model.device.type != "cpu":  # the masks of all calls of one rate: one draw, one scaling
+            shapes = [(len(generators), len(example), *rest) for _, rest, _ in calls]
+            stacked: list[torch.Tensor] = [torch.empty(0)] * len(calls)
+            rates: dict[float, list[int]] = {}
+            for position, (name, _, _) in enumerate(calls):
+                rates.setdefault(self.dropouts[name].p, []).append(position)
+            for p, positions in rates.items():
+                sizes = [math.prod(shapes[i]) for i in positions]
+                drawn = torch.empty(sum(sizes), device=self.model.device).bernoulli_(1 - p, generator=generator)
+                for position, part in zip(positions, drawn.div_(1 - p).split(sizes), strict=True):
+                    stacked[position] = part.view(shapes[position])
         else:
             per_client = [
                 [self._cpu_mask(name, (len(example), *rest), stride, lane) for name, rest, stride in calls]
@@ -498,7 +535,7 @@ class ConcurrentSGD:
             {name: tensor for name, tensor in stacked.items() if name in trained},
             {name: tensor for name, tensor in stacked.items() if name not in trained},
             self._masks(inputs, generators, generators[0]),
-            _stacked_inputs([inputs] * clients),
+            torch.cat([inputs] * clients).unflatten(0, (clients, -1)),
             torch.stack([labels] * clients),
         )
         torch.cuda.synchronize(device)
@@ -545,14 +582,6 @@ class ConcurrentSGD:
         (mean_loss,) = finite_means(lane.losses, 1, lane.job.lr)
         trained = lane.job.finished({name: tensor.clone() for name, tensor in state.items()})
         return trained, mean_loss
-
-
-def _stacked_inputs(batches: list[torch.Tensor]) -> torch.Tensor:
-    """The clients' input batches on a leading axis. Channels-last image batches stay channels-last inside `vmap`
-    (the K batches folded into one are then one channels-last batch, the layout convolutions run fastest in)."""
-    if batches[0].dim() != 4 or not batches[0].is_contiguous(memory_format=torch.channels_last):
-        return torch.stack(batches)
-    return torch.stack([batch.permute(0, 2, 3, 1) for batch in batches]).permute(0, 1, 4, 2, 3)
 
 
 def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: float | torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from peradapt.adapters import AdapterState
 from peradapt.compute.costs import training_flops
 from peradapt.compute.metrics import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
-from peradapt.data.batches import AUGMENTATIONS, augment_batch
+from peradapt.data.batches import AUGMENTATIONS, AugmentationDraws, apply_augmentation, draw_augmentation
 from peradapt.errors import TrainingDiverged
 
 if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modules; the model's module imports PEFT
@@ -52,11 +52,26 @@ class InputPipeline:
             raise ValueError(f"unknown augmentation {self.augment!r}: use {', '.join(AUGMENTATIONS)}")
 
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        if generator is not None and self.augment != "none":
+        """Model inputs of uint8 `images`, augmented with draws from `generator` if one is given (training)."""
+        draws = self.draw(len(images), tuple(images.shape[2:]), generator) if generator is not None else None
+        return self.prepared(images, draws)
+
+    def draw(self, count: int, size: tuple[int, ...], generator: torch.Generator) -> AugmentationDraws | None:
+        """The augmentation's random draws for a batch of `count` images of `size` (height, width), from
+        `generator`; None when nothing is drawn."""
+        if self.augment == "none":
+            return None
+        height, width = size
+        return draw_augmentation(self.augment, count, height, width, generator)
+
+    def prepared(self, images: torch.Tensor, draws: AugmentationDraws | None) -> torch.Tensor:
+        """Model inputs of uint8 `images`, augmented by `draws` (`draw`: of this batch, or the concatenated draws
+        of the batches `images` concatenates)."""
+        if draws is not None:
             # Augmented on the model's device: the uint8 batch travels (a quarter of the bytes of floats), and the
             # resampling of resized crops runs as two batched matrix products where the compute is.
             size = self.image_size or images.shape[-1]
-            images = augment_batch(images.to(self.device, non_blocking=True), self.augment, generator, size)
+            images = apply_augmentation(images.to(self.device, non_blocking=True), self.augment, draws, size)
         return to_model_input(images, self.mean, self.std, self.device, self.image_size)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -309,18 +324,26 @@ class LocalTrainer:
         (pFedMe, APFL, ...) loop over these and call `loss`, with the model in training mode.
         """
         assert data.labels is not None, "training data must be labeled"
-        generator = seeded_generator(seed)
         stored, labels = data.images, data.labels
         if self.inputs.device.type == "cuda":  # resident on the device for the job: one copy, not one per step
             stored, labels = stored.to(self.inputs.device), labels.to(self.inputs.device)
+        for batch, generator in self.index_batches(len(data), epochs=epochs, seed=seed, steps=steps):
+            yield self.inputs(stored[batch], generator), labels[batch].to(self.inputs.device, non_blocking=True)
+
+    def index_batches(
+        self, count: int, *, epochs: int, seed: int, steps: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Generator]]:
+        """The index batches of `minibatches` into `count` images, each with the generator its augmentation draws
+        from (the one that shuffled it): a caller draws a batch's augmentation before it asks for the next batch,
+        so the draws come in `minibatches`' order (concurrent clients: `peradapt.compute.concurrent`)."""
+        generator = seeded_generator(seed)
         drawn, passes = 0, 0
         while (drawn < steps) if steps is not None else (passes < epochs):
-            for batch in iterate_minibatches(len(data), self.batch_size, generator):
+            for batch in iterate_minibatches(count, self.batch_size, generator):
                 if steps is not None and drawn == steps:
                     return
-                images = self.inputs(stored[batch], generator)
                 drawn += 1
-                yield images, labels[batch].to(self.inputs.device, non_blocking=True)
+                yield batch, generator
             passes += 1
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:

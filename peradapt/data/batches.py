@@ -81,25 +81,70 @@ def iterate_minibatches(
         yield order[start:end]
 
 
+# An augmentation's random draws for a batch (`draw_augmentation`), made where its generator is: crop-flip's
+# (row offsets [N, 1], column offsets [N, 1], flips [N, 1]), resized-crop's (boxes [N, 4], flips [N]). The draws of
+# several batches concatenate along the first axis into those of one batch (concurrent clients' inputs).
+AugmentationDraws = tuple[torch.Tensor, ...]
+
+
 def augment_batch(images: torch.Tensor, augmentation: str, generator: torch.Generator, size: int) -> torch.Tensor:
     """uint8 ``[N, C, H, W]`` images augmented as ``augmentation`` (one of AUGMENTATIONS) says, with draws from
     ``generator``: crop-flip keeps their size, resized-crop gives ``size``×``size`` (the model's input size)."""
+    draws = draw_augmentation(augmentation, len(images), images.shape[2], images.shape[3], generator)
+    return apply_augmentation(images, augmentation, draws, size)
+
+
+def draw_augmentation(
+    augmentation: str, count: int, height: int, width: int, generator: torch.Generator
+) -> AugmentationDraws:
+    """The random draws of ``augmentation`` for ``count`` images of ``height``×``width``, from ``generator``."""
     if augmentation == "crop-flip":
-        return random_crop_flip(images, generator)
+        return random_crop_flip_draws(count, generator)
     if augmentation == "resized-crop":
-        return random_resized_crop_flip(images, generator, size)
+        return random_resized_crop_draws(count, height, width, generator)
+    if augmentation == "none":
+        return ()
+    raise ValueError(f"unknown augmentation {augmentation!r}: use {', '.join(AUGMENTATIONS)}")
+
+
+def apply_augmentation(images: torch.Tensor, augmentation: str, draws: AugmentationDraws, size: int) -> torch.Tensor:
+    """``augmentation`` of uint8 ``[N, C, H, W]`` images by its ``draws`` (`draw_augmentation`), in one batch."""
+    if augmentation == "crop-flip":
+        return crop_flip(images, *draws)
+    if augmentation == "resized-crop":
+        boxes, flips = draws
+        return resized_crops(images, boxes, size, flips)
     if augmentation == "none":
         return images
     raise ValueError(f"unknown augmentation {augmentation!r}: use {', '.join(AUGMENTATIONS)}")
 
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
+CROP_PADDING = 4  # crop-flip: pixels of zeros around the image, so a crop shifts it by up to this many
+
+
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = CROP_PADDING) -> torch.Tensor:
     """Random crop of the zero-padded images and random horizontal flip, as one gather for the batch."""
-    count, channels, height, width = images.shape
+    return crop_flip(images, *random_crop_flip_draws(len(images), generator, padding), padding=padding)
+
+
+def random_crop_flip_draws(count: int, generator: torch.Generator, padding: int = CROP_PADDING) -> AugmentationDraws:
+    """crop-flip's draws: each image's row and column offset into the padded image, and whether it flips."""
     draw_device = generator.device
     row_offsets = torch.randint(0, 2 * padding + 1, (count, 1), generator=generator, device=draw_device)
     col_offsets = torch.randint(0, 2 * padding + 1, (count, 1), generator=generator, device=draw_device)
     flips = torch.rand((count, 1), generator=generator, device=draw_device) < 0.5
+    return row_offsets, col_offsets, flips
+
+
+def crop_flip(
+    images: torch.Tensor,
+    row_offsets: torch.Tensor,
+    col_offsets: torch.Tensor,
+    flips: torch.Tensor,
+    padding: int = CROP_PADDING,
+) -> torch.Tensor:
+    """Each image cropped from its zero-padded self at its offsets and flipped where ``flips`` says: one gather."""
+    count, channels, height, width = images.shape
     row_offsets, col_offsets, flips = (t.to(images.device) for t in (row_offsets, col_offsets, flips))
     rows = row_offsets + torch.arange(height, device=images.device)
     columns = torch.arange(width, device=images.device)
@@ -130,11 +175,23 @@ def random_resized_crop_flip(
     code, datasets/chexpert.py). The random draws come from ``generator`` alone, so a seed gives one batch.
     """
     count, _, height, width = images.shape
+    boxes, flips = random_resized_crop_draws(count, height, width, generator, scale, ratio)
+    return resized_crops(images, boxes, size, flips)
+
+
+def random_resized_crop_draws(
+    count: int,
+    height: int,
+    width: int,
+    generator: torch.Generator,
+    scale: tuple[float, float] = (0.05, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> AugmentationDraws:
+    """resized-crop's draws: each image's box (`resized_crop_boxes`) and whether it flips."""
     uniforms = torch.rand(
         (count, _RESIZED_CROP_UNIFORMS), generator=generator, device=generator.device, dtype=torch.float64
     ).cpu()
-    boxes = resized_crop_boxes(height, width, uniforms[:, :-1], scale, ratio)
-    return resized_crops(images, boxes, size, flips=uniforms[:, -1] < 0.5)
+    return resized_crop_boxes(height, width, uniforms[:, :-1], scale, ratio), uniforms[:, -1] < 0.5
 
 
 def resized_crop_boxes(
