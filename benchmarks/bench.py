@@ -94,6 +94,13 @@ class Settings:
     scale_client_images: int = 2  # Fashion-MNIST's client pool (25,000 images) has 2 for each of 10,000 clients
     scale_rounds: int = 6
     scale_repeats: int = 3
+    # On a GPU (issue 35): a round of 1,000 clients x 50 images, every client trained, and 10,000 clients x 2
+    # images with 1,000 a round (Fashion-MNIST's client pool of 25,000 images bounds clients x images)
+    scale_gpu_clients: int = 1_000
+    scale_gpu_client_images: int = 50
+    scale_gpu_large: int = 10_000
+    scale_gpu_large_images: int = 2
+    scale_gpu_per_round: int = 1_000
     estimate_kd_batch_size: int = 256  # on a CPU; on a GPU the preset's own 2048 (see estimate)
     estimate_kd_steps: int = 4  # per timed distillation: its steps 2.. are timed
     estimate_val_images: int = 512  # on a CPU (one inference chunk); on a GPU the preset's 5,000
@@ -140,6 +147,11 @@ SMOKE = Settings(
     scale_per_round=2,
     scale_rounds=3,
     scale_repeats=1,
+    scale_gpu_clients=4,
+    scale_gpu_client_images=4,
+    scale_gpu_large=40,
+    scale_gpu_large_images=2,
+    scale_gpu_per_round=8,
     estimate_kd_batch_size=8,
     estimate_kd_steps=2,
     estimate_val_images=8,
@@ -714,16 +726,20 @@ def estimate(settings: Settings) -> dict:
 def scale(settings: Settings, workdir: Path) -> dict:
     """Peak RSS and seconds per round of PerAda (no distillation) at M = 10,000 clients against M = 100: the same
     clients per round and a few images per client, client states on disk. Each size runs `peradapt train` in a
-    fresh process, which reports its own peak RSS and the time between its rounds; the two sizes alternate."""
+    fresh process, which reports its own peak RSS and the time between its rounds; the two sizes alternate.
+    On a GPU: `scale_on_gpu` instead."""
     weights = workdir / "backbone.safetensors"
     backbone = create_backbone(settings.scale_backbone, CLASSES, 1)
     info = BackboneInfo(settings.scale_backbone, 1, 28, (0.5,), (0.25,), "random weights: speed does not need more")
     save_backbone(backbone.state_dict(), info, weights)
+    if settings.device == "cuda":
+        return scale_on_gpu(settings, weights, workdir)
     sizes = (settings.scale_small, settings.scale_large)
     runs: dict[int, list[dict]] = {clients: [] for clients in sizes}
     for repetition in range(settings.scale_repeats):
         for clients in sizes if repetition % 2 == 0 else sizes[::-1]:
-            runs[clients].append(scale_run(clients, weights, workdir / f"run-{clients}-{repetition}", settings))
+            run = ScaleRun(clients, settings.scale_per_round, settings.scale_client_images)
+            runs[clients].append(scale_run(run, weights, workdir / f"run-{clients}-{repetition}", settings))
     small, large = runs[settings.scale_small], runs[settings.scale_large]
     return {
         "scale_rss_ratio": median_ratio([r["peak_rss_bytes"] for r in large], [r["peak_rss_bytes"] for r in small]),
@@ -733,14 +749,64 @@ def scale(settings: Settings, workdir: Path) -> dict:
     }
 
 
-def scale_run(clients: int, weights: Path, out: Path, settings: Settings) -> dict:
-    command = [sys.executable, __file__, "--scale-child", str(clients), "--weights", str(weights), "--out", str(out)]
-    command += ["--threads", str(settings.threads), "--size", settings.size]
+def scale_on_gpu(settings: Settings, weights: Path, workdir: Path) -> dict:
+    """On a GPU, with what --concurrent-clients auto does there:
+
+    - `round_1000_clients_s`: a PerAda round (no distillation) of 1,000 clients of 50 images each, every one
+      trained (a personal and a local epoch), in this process through the method's code as `perada_round` builds
+      it (the paper's model, random 32 px images, states in memory): the clients in groups of as many as fit the
+      GPU (`ConcurrentSGD.clients_at_once`), then the server's update. Fashion-MNIST's client pool (25,000
+      images) cannot give 1,000 clients 50 images each, so this one is not a CLI run;
+    - 10,000 clients of 2 images, 1,000 trained a round, client states on disk: a `peradapt train` run in a fresh
+      process (as the CPU scale phase), its round time and peak GPU memory."""
+    round_settings = replace(
+        settings, round_clients=settings.scale_gpu_clients, client_images=settings.scale_gpu_client_images
+    )
+    method, clients = perada_round(replace(round_settings, round_epochs=1))
+    assert isinstance(method, LocalSGDMethod)
+    initial = method.context.initial
+    concurrent = ConcurrentSGD(method.trainer)
+    together, _ = concurrent.clients_at_once([client.train for client in clients], 0.9)
+
+    def one_round() -> None:
+        updates = []
+        for start in range(0, len(clients), together):
+            group = clients[start : start + together]
+            updates += concurrent.run_steps([method.client_steps(c, initial, c.client_id) for c in group])
+        method.server_update(initial, updates, seed=derive_seed(0, 0, SERVER), round_index=0)
+
+    torch.cuda.reset_peak_memory_stats()
+    times = interleaved({"round": one_round}, settings.scale_repeats)
+    peak = torch.cuda.max_memory_allocated()
+    large = ScaleRun(settings.scale_gpu_large, settings.scale_gpu_per_round, settings.scale_gpu_large_images)
+    run = scale_run(large, weights, workdir / "gpu-large", settings)
+    return {
+        "round_1000_clients_s": statistics.median(times["round"]),
+        "round_1000_clients": f"{len(clients)} clients x {settings.scale_gpu_client_images} images, all trained",
+        "round_1000_clients_at_once": together,
+        "round_1000_clients_peak_cuda_bytes": peak,
+        "scale_gpu_10000_round_s": run["round_s"],
+        "scale_gpu_10000_peak_cuda_bytes": run["peak_cuda_bytes"],
+        "scale_gpu_10000": f"{large.clients} clients x {large.images} images, {large.per_round} a round",
+    }
+
+
+@dataclass(frozen=True)
+class ScaleRun:
+    clients: int
+    per_round: int
+    images: int  # per client
+
+
+def scale_run(run: ScaleRun, weights: Path, out: Path, settings: Settings) -> dict:
+    command = [sys.executable, __file__, "--scale-child", str(run.clients), "--weights", str(weights)]
+    command += ["--out", str(out), "--per-round", str(run.per_round), "--client-images", str(run.images)]
+    command += ["--threads", str(settings.threads), "--size", settings.size, "--device", settings.device]
     command += ["--data-dir", settings.data_dir] if settings.data_dir else []
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
         tail = (finished.stderr or finished.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"the {clients}-client run failed: {' / '.join(tail)}")
+        raise RuntimeError(f"the {run.clients}-client run failed: {' / '.join(tail)}")
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
@@ -769,7 +835,9 @@ class RoundClock:
 
     def report(self) -> None:
         gaps = np.diff(self.times)  # round 1 pays for first-touch costs: rounds 2.. are timed
-        print(json.dumps({"peak_rss_bytes": peak_rss_bytes(), "round_s": float(np.median(gaps))}), flush=True)
+        cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+        figures = {"peak_rss_bytes": peak_rss_bytes(), "round_s": float(np.median(gaps)), "peak_cuda_bytes": cuda}
+        print(json.dumps(figures), flush=True)
         os._exit(0)
 
 
@@ -781,7 +849,7 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status: the scale figures need Linux")
 
 
-def scale_child(clients: int, weights: str, out: str, settings: Settings) -> None:
+def scale_child(run: ScaleRun, weights: str, out: str, settings: Settings) -> None:
     from rich.console import Console
 
     from peradapt.config import TrainConfig
@@ -791,19 +859,19 @@ def scale_child(clients: int, weights: str, out: str, settings: Settings) -> Non
         "data": "fmnist",  # the offline default: Debian's dataset-fashion-mnist
         "backbone": settings.scale_backbone,
         "weights": weights,
-        "clients": clients,
-        "clients_per_round": settings.scale_per_round,
+        "clients": run.clients,
+        "clients_per_round": run.per_round,
         "rounds": settings.scale_rounds,
         "eval_every": 0,
         "partition": "iid",
         "method": "perada-nokd",
         "local_epochs": 1,
         "personal_epochs": 1,
-        "batch_size": settings.scale_client_images,
-        "limit_samples": clients * settings.scale_client_images,  # a few images per client at any M
+        "batch_size": run.images,
+        "limit_samples": run.clients * run.images,  # a few images per client at any M
         "data_dir": settings.data_dir,
         "client_store": "disk",
-        "device": "cpu",
+        "device": settings.device,
         "out": out,
     }
     clock = RoundClock(settings.scale_rounds)
@@ -839,7 +907,8 @@ BENCHMARKS: dict[str, Callable[[Settings], dict]] = {
     "concurrent": concurrent_vs_sequential,
     "estimate": estimate,
 }
-ON_DEVICE = ("step", "kd", "concurrent", "estimate")  # the figures --device moves to a GPU
+ON_DEVICE = ("step", "kd", "concurrent", "estimate")  # the figures --device moves to a GPU (and `make gpu-check` takes)
+ON_GPU = (*ON_DEVICE, "scale")  # what --device cuda measures: the scale phase there is `scale_on_gpu`
 
 
 def main() -> None:
@@ -866,11 +935,14 @@ def main() -> None:
         "--device",
         default="cpu",
         choices=("cpu", "cuda"),
-        help=f"where the {', '.join(ON_DEVICE)} figures are measured (the others are CPU figures)",
+        help=f"where the {', '.join(ON_GPU)} figures are measured (the others are CPU figures; scale on a GPU is "
+        "other runs: see scale_on_gpu)",
     )
     parser.add_argument("--scale-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--per-round", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client-images", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     size = args.size or ("smoke" if args.smoke else "quick" if args.quick else "full")
     settings = replace(SIZES[size], threads=args.threads, device=args.device, data_dir=args.data_dir)
@@ -878,11 +950,11 @@ def main() -> None:
         parser.error("--device cuda: no CUDA GPU is visible")
     torch.set_num_threads(settings.threads)
     if args.scale_child:
-        scale_child(args.scale_child, args.weights, args.out, settings)
+        scale_child(ScaleRun(args.scale_child, args.per_round, args.client_images), args.weights, args.out, settings)
         return
     chosen = args.only.split(",") if args.only else [*BENCHMARKS, "scale"]
-    if args.device == "cuda" and not set(chosen) <= set(ON_DEVICE):
-        parser.error(f"--device cuda measures {', '.join(ON_DEVICE)}: pass --only with those")
+    if args.device == "cuda" and not set(chosen) <= set(ON_GPU):
+        parser.error(f"--device cuda measures {', '.join(ON_GPU)}: pass --only with those")
     results: dict = {"size": size, "device": args.device, "machine": machine(), "settings": asdict(settings)}
     failed: dict[str, str] = {}
     for name in chosen:

@@ -446,7 +446,7 @@ class FederationConfig:
     )
     gpu_memory_fraction: float = setting(
         0.9,
-        help="The share of the GPU's memory this run may use (torch.cuda.set_per_process_memory_fraction); "
+        help="The share of the GPU's memory this run may use (PyTorch's per-process memory fraction); "
         "--concurrent-clients auto trains as many clients at once as fit in it. No effect on a CPU. May change "
         "on --resume.",
         group=FEDERATION,

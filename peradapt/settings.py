@@ -211,6 +211,9 @@ class Setting:
             return str(value)
         except (TypeError, ValueError):
             kind = "true or false" if base == "bool" else base
+            word = self.none_word or ("auto" if self.auto else None)
+            if word is not None:  # a flag that takes a word is read as text: the flag names the mistake
+                raise ConfigError(f"{self.flag_name} must be {kind} or {word}, got {value!r}") from None
             raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}") from None
 
     def is_json_type(self, value: Any) -> bool:

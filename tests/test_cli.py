@@ -323,7 +323,7 @@ def expect_refusal(args, capsys, monkeypatch, *needles: str, untouched: Path) ->
         (["--kd-data", "imagenet"], ["imagenet"]),
         (["--limit-samples", "0"], ["--limit-samples"]),
         (["--concurrent-clients", "0"], ["--concurrent-clients must be at least 1"]),
-        (["--concurrent-clients", "many"], ["concurrent_clients", "many"]),
+        (["--concurrent-clients", "many"], ["--concurrent-clients must be int or auto, got 'many'"]),
         (["--gpu-memory-fraction", "0"], ["--gpu-memory-fraction must be in (0, 1]"]),
         (["--gpu-memory-fraction", "1.5"], ["--gpu-memory-fraction must be in (0, 1]"]),
     ],

@@ -60,7 +60,8 @@ def numeric_settings() -> dict[str, list[str]]:
     counts: for a method's own setting, a --method that takes it (any other method refuses it by name)."""
     flags = {}
     for declared, _ in listed_settings():
-        if declared.flag and declared.base_type in ("int", "float") and not declared.auto:  # lam: NUMBER_IN_STRING
+        # lam and concurrent_clients take a word too (`auto`): NUMBER_IN_STRING
+        if declared.flag and declared.base_type in ("int", "float") and not (declared.auto or declared.none_word):
             owners = setting_owners(declared.name)
             flags[declared.flag_name] = ["--method", owners[0]] if owners else []
     return flags
@@ -79,6 +80,7 @@ NUMBERS = st.one_of(
 # string settings that hold a number
 NUMBER_IN_STRING = {
     "--lam": "{}",
+    "--concurrent-clients": "{}",
     "--partition": "dir:{}",
     "--partition ": "classes:{}",
     "--partition  ": "dir-balanced:{}",

@@ -55,7 +55,8 @@ def test_every_help_text_prints_as_written_with_its_default_in_its_panel(capsys,
         if not declared.flag:
             continue
         text = words(declared.help_text())
-        if declared.base_type != "bool" and (declared.default is not None or declared.shown_default):
+        shown_default = declared.default is not None or declared.shown_default or declared.none_word
+        if declared.base_type != "bool" and shown_default:
             text += f" [default: {words(declared.default_text())}]"
         assert text in shown, declared.name
         assert f" {panel} " in shown

@@ -514,6 +514,24 @@ class ConcurrentSGD:
             masks.setdefault(name, []).append(mask)
         return masks
 
+    def clients_at_once(self, datasets: Sequence[ImageSet], fraction: float) -> tuple[int, int]:
+        """How many clients of `datasets` (their training images) to train at once on this GPU within `fraction`
+        of its memory, with a tenth of that kept free for the round's other tensors and the allocator's slack;
+        and the bytes each takes. From the peak memory of a step of one client and of two (`clients_that_fit`),
+        each with the largest client's images resident on the device. Steps replayed from CUDA graphs hold their
+        memory twice: the captured steps' pool, and the blocks the eager warm-up steps left in the allocator's
+        cache."""
+        largest = max(datasets, key=len)
+        if len(datasets) < 2 or len(largest) == 0:
+            return 1, 0
+        device = self.model.device
+        one, two = (self.peak_step_bytes(largest, count) + count * largest.images.nbytes for count in (1, 2))
+        total = torch.cuda.get_device_properties(device).total_memory
+        allowed = int(0.9 * fraction * total) - torch.cuda.memory_allocated(device)
+        if self.graphs:
+            allowed //= 2
+        return min(clients_that_fit(one, two, allowed), len(datasets)), two - one
+
     def peak_step_bytes(self, example: ImageSet, clients: int) -> int:
         """The device memory one step of `clients` clients on minibatches of `example`'s images takes at its peak
         (CUDA): their stacked states, inputs, masks, activations and gradients, measured by a step on copies of

@@ -36,7 +36,7 @@ from rich.progress import Progress
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
-from peradapt.compute.concurrent import ConcurrentSGD, clients_that_fit, unsupported_layers
+from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
 from peradapt.compute.costs import ClientWork, peak_memory, state_bytes
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label, parse_budget
@@ -454,24 +454,15 @@ def concurrent_training(session: Session, console: Console) -> tuple[ConcurrentS
 
 def clients_at_once(session: Session, concurrent: ConcurrentSGD, console: Console) -> int:
     """--concurrent-clients auto on a GPU: as many federated clients as fit --gpu-memory-fraction of its memory
-    (with a tenth of it kept free for the round's other tensors and the allocator's slack), each with its training
-    images resident on the device, from the peak memory of a step of one client and of two (`clients_that_fit`).
-    Steps replayed from CUDA graphs hold their memory twice: the captured steps' pool, and the blocks the eager
-    warm-up steps left in the allocator's cache."""
-    device, federation = session.device, session.config.federation
+    (`ConcurrentSGD.clients_at_once`), said in one line."""
+    federation = session.config.federation
     clients = session.data.clients[: federation.clients - federation.holdout_clients]
-    largest = max((client.train for client in clients), key=len)
-    if len(clients) < 2 or len(largest) == 0:
-        return 1
-    one, two = (concurrent.peak_step_bytes(largest, count) + count * largest.images.nbytes for count in (1, 2))
-    total = torch.cuda.get_device_properties(device).total_memory
-    allowed = int(0.9 * federation.gpu_memory_fraction * total) - torch.cuda.memory_allocated(device)
-    if concurrent.graphs:
-        allowed //= 2
-    together = min(clients_that_fit(one, two, allowed), len(clients))
+    fraction = federation.gpu_memory_fraction
+    together, per_client = concurrent.clients_at_once([client.train for client in clients], fraction)
+    total = torch.cuda.get_device_properties(session.device).total_memory
     console.print(
-        f"--concurrent-clients auto: {together} clients at once ({two - one:,} bytes each of "
-        f"{federation.gpu_memory_fraction:g} of {total / 2**30:.0f} GiB)"
+        f"--concurrent-clients auto: {together} clients at once ({per_client:,} bytes each of {fraction:g} of "
+        f"{total / 2**30:.0f} GiB)"
     )
     return together
 
