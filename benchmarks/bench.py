@@ -57,7 +57,11 @@ ESTIMATE_PRESET = "perada-cifar10"
 CIFAR10_TRAIN, CIFAR10_TEST, CIFAR10_VAL_SHARE = 50_000, 10_000, 0.1
 LAM, LR, DROPOUT = 1.0, 0.01, 0.3  # the paper's λ, client learning rate and adapter dropout
 # On CPU, measured with no goal: compute, not launches, binds
-GPU_GOALS = {"concurrent_vs_sequential": (4.0, True), "fused_step_vs_inference": (0.40, True)}
+GPU_GOALS = {
+    "concurrent_vs_sequential": (4.0, True),
+    "concurrent_vs_sequential_32": (8.0, True),
+    "fused_step_vs_inference": (0.40, True),
+}
 GOALS = {  # (key, goal, whether bigger is better)
     "adapter_step_vs_inference": (0.40, True),
     "state_ratio": (15.0, True),
@@ -77,6 +81,9 @@ class Settings:
     repeats: int = 15  # adapter step against inference
     step_batches: int = 4  # minibatches per timed call of LocalTrainer.sgd
     fused_steps: int = 8  # steps per client per timed call of the fused step (concurrent phase)
+    small_clients: int = 32  # concurrent phase on a GPU: many clients of smaller data
+    small_client_images: int = 64
+    small_repeats: int = 3
     kd_teachers: int = 8  # the paper's 8 sampled clients per round
     kd_images: int = 512
     kd_batch_size: int = 128
@@ -147,6 +154,9 @@ SMOKE = Settings(
     scale_per_round=2,
     scale_rounds=3,
     scale_repeats=1,
+    small_clients=4,
+    small_client_images=8,
+    small_repeats=1,
     scale_gpu_clients=4,
     scale_gpu_client_images=4,
     scale_gpu_large=40,
@@ -454,7 +464,31 @@ def concurrent_vs_sequential(settings: Settings) -> dict:
     }
     if gpu:
         results["graphs_vs_eager"] = median_ratio(times["fused_eager"], times["fused"])
+        results |= many_small_clients(settings)
     return results | fused_step_vs_inference(settings, method.trainer, len(clients))
+
+
+def many_small_clients(settings: Settings) -> dict:
+    """The issue's second GPU goal: `concurrent_vs_sequential` for 32 clients of smaller data (64 images each)."""
+    small = replace(settings, round_clients=settings.small_clients, client_images=settings.small_client_images)
+    method, clients = perada_round(small)
+    assert isinstance(method, LocalSGDMethod)
+    initial, fused = method.context.initial, ConcurrentSGD(method.trainer)
+
+    def one_after_another() -> None:
+        for client in clients:
+            method.client_update(client, initial, derive_seed(0, 0, client.client_id))
+
+    def together() -> None:
+        fused.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
+
+    times = interleaved({"sequential": one_after_another, "fused": together}, settings.small_repeats)
+    return {
+        "concurrent_vs_sequential_32": median_ratio(times["sequential"], times["fused"]),
+        "concurrent_32_clients": f"{len(clients)} clients x {settings.small_client_images} images",
+        "concurrent_32_round_s": statistics.median(times["fused"]),
+        "sequential_32_round_s": statistics.median(times["sequential"]),
+    }
 
 
 def fused_step_vs_inference(settings: Settings, trainer: LocalTrainer, clients: int) -> dict:
