@@ -72,12 +72,15 @@ def concurrent_sgd(trainer_: LocalTrainer, path: str) -> ConcurrentSGD:
 
 
 def trainer(
-    backbone: str = TINY_BACKBONE, kind: str = "residual", dropout: float = 0.0, scope: str = "adapter"
+    backbone: str = TINY_BACKBONE,
+    kind: str = "residual",
+    dropout: float = 0.0,
+    scope: str = "adapter",
+    frozen_bn: str = "eval",
 ) -> LocalTrainer:
     torch.manual_seed(0)
-    model = inject_adapters(
-        freeze(create_backbone(backbone, num_classes=3, in_chans=1)), kind, dropout=dropout, lora_rank=2, scope=scope
-    )
+    frozen = freeze(create_backbone(backbone, num_classes=3, in_chans=1))
+    model = inject_adapters(frozen, kind, dropout=dropout, lora_rank=2, scope=scope, frozen_bn=frozen_bn)
     return LocalTrainer(model, InputPipeline(mean=(0.5,), std=(0.5,), device=torch.device("cpu")), batch_size=8)
 
 
@@ -425,6 +428,20 @@ def test_batchnorms_with_a_cumulative_average_train_concurrently_as_one_after_an
         for name in expected
         if name.endswith("running_var")
     )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_frozen_batchnorms_in_training_mode_train_concurrently_as_one_after_another(path):
+    """--frozen-bn train (the authors' mode): the frozen BatchNorms take batch statistics and move their running
+    statistics, each client's own, while their affine weights stay the backbone's, shared by all."""
+    trainer_ = trainer(dropout=0.3, frozen_bn="train")
+    assert trainer_.model.frozen_norm_buffers
+    jobs = [SGDJob(perturbed(trainer_, k), images(n, k), epochs=2, lr=0.05, seed=k) for k, n in ((1, 16), (2, 16))]
+    alone = [trainer_.run(job) for job in jobs]
+    for job, (state, _), (expected, _) in zip(jobs, concurrent_sgd(trainer_, path).run(jobs), alone, strict=True):
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+        assert any(not torch.equal(state[n], job.start[n]) for n in trainer_.model.frozen_norm_buffers)
 
 
 def test_clients_that_fit_the_memory_allowed():
