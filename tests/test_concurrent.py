@@ -449,7 +449,9 @@ def test_clients_that_fit_the_memory_allowed():
     assert clients_that_fit(300, 500, allowed=1000) == 4
     assert clients_that_fit(300, 500, allowed=899) == 3
     assert clients_that_fit(300, 500, allowed=200) == 1  # even one does not fit: one, as without --concurrent-clients
-    assert clients_that_fit(300, 300, allowed=1000) == 701  # no measurable part per client: 1 byte each, 299 fixed
+    # Two measure no more than one: each client is taken to need half of two's step (150 each, 150 fixed)
+    assert clients_that_fit(300, 300, allowed=1000) == 5
+    assert clients_that_fit(300, 280, allowed=1000) == 6  # 140 each, 160 fixed
 
 
 def test_concurrent_clients_auto_trains_one_after_another_on_a_cpu_and_says_nothing(fmnist_dir, home):

@@ -525,12 +525,14 @@ class ConcurrentSGD:
         if len(datasets) < 2 or len(largest) == 0:
             return 1, 0
         device = self.model.device
+        self.peak_step_bytes(largest, 1)  # the first step's one-off allocations (cuDNN's, cuBLAS's) are no client's
         one, two = (self.peak_step_bytes(largest, count) + count * largest.images.nbytes for count in (1, 2))
         total = torch.cuda.get_device_properties(device).total_memory
         allowed = int(0.9 * fraction * total) - torch.cuda.memory_allocated(device)
         if self.graphs:
             allowed //= 2
-        return min(clients_that_fit(one, two, allowed), len(datasets)), two - one
+        together = min(clients_that_fit(one, two, allowed), len(datasets))
+        return together, two - one if two > one else two // 2
 
     def peak_step_bytes(self, example: ImageSet, clients: int) -> int:
         """The device memory one step of `clients` clients on minibatches of `example`'s images takes at its peak
@@ -648,7 +650,8 @@ def _batch_norm_by_formula(norm: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
 
 def clients_that_fit(one: int, two: int, allowed: int) -> int:
     """How many clients' steps fit in `allowed` bytes, from the peak bytes of a step of one client (`one`) and of
-    two (`two`): a step of K clients takes a fixed part plus K times each client's part (at least 1)."""
-    per_client = max(two - one, 1)
+    two (`two`): a step of K clients takes a fixed part plus K times each client's part. Where two clients measure
+    no more than one (an allocator that rounds blocks up), each client is taken to need half of two's step."""
+    per_client = two - one if two > one else max(two // 2, 1)
     fixed = max(one - per_client, 0)
     return max(1, (allowed - fixed) // per_client)
