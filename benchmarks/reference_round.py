@@ -355,8 +355,11 @@ def interleaved(
 
 
 def git_head(path: Path) -> str | None:
+    """The commit of the checkout at `path`, "-dirty" when its files differ from it (a lent machine's copy of a
+    working tree may sit on another commit's git metadata: the suffix says the number is not the tree's)."""
+    command = ["git", "-C", str(path), "describe", "--always", "--dirty", "--abbrev=40"]
     try:
-        done = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     return done.stdout.strip() or None
