@@ -281,15 +281,49 @@ def test_steps_replayed_from_captured_buffers_equal_one_client_after_another(mon
     assert len(replays) == 2 * 8 - concurrent_module.GRAPH_WARM_UP and len(set(map(id, replays))) == 1
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("augment", ["crop-flip", "resized-crop"])
-def test_augmented_clients_train_concurrently_as_one_after_another(augment):
+def test_augmented_clients_train_concurrently_as_one_after_another(augment, path):
     """Each lane's crops and flips drawn from its own generator in `minibatches`' order, applied to all the lanes'
     images at once (one gather, one resampling): the augmented batches of one after another, to float rounding."""
     trainer_ = trainer(dropout=0.3)
     trainer_.inputs = replace(trainer_.inputs, augment=augment, image_size=16)
     jobs = [SGDJob(perturbed(trainer_, k), images(n, k), epochs=2, lr=0.05, seed=k) for k, n in ((1, 13), (2, 20))]
     alone = [trainer_.run(job) for job in jobs]
-    for (state, loss), (expected, expected_loss) in zip(ConcurrentSGD(trainer_).run(jobs), alone, strict=True):
+    for (state, loss), (expected, expected_loss) in zip(concurrent_sgd(trainer_, path).run(jobs), alone, strict=True):
+        for name in expected:
+            assert_close(state[name], expected[name], **TOL, msg=name)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_uneven_clients_step_padded_and_replayed_as_one_after_another(monkeypatch):
+    """Clients of 13 and 13 images for 4 epochs and of 5 for 1, at batch 8: every step of the captured path has
+    every lane, a short batch padded with rows of weight 0 and a done lane all padding (its state held), so that
+    captured padded steps replay; with dropout 0.3, crop-flip and lanes' own lr and lam: each client as one after
+    another, to float rounding."""
+    import peradapt.compute.concurrent as concurrent_module
+
+    replayed = []
+    real_replay = concurrent_module._Captured.replay
+
+    def counted(self):
+        replayed.append(self.inputs.weights is not None)
+        return real_replay(self)
+
+    monkeypatch.setattr(concurrent_module._Captured, "replay", counted)
+    trainer_ = trainer(dropout=0.3)
+    trainer_.inputs = replace(trainer_.inputs, augment="crop-flip")
+    w = perturbed(trainer_, seed=7)
+    jobs = [
+        SGDJob(perturbed(trainer_, k), images(n, k), epochs=epochs, lr=lr, seed=k, anchor=w, lam=lam)
+        for k, n, epochs, lr, lam in ((1, 13, 4, 0.05, 1.0), (2, 13, 4, 0.1, 0.0), (3, 5, 1, 0.05, 0.3))
+    ]
+    alone = [trainer_.run(job) for job in jobs]
+    together = concurrent_sgd(trainer_, "graphed").run(jobs)
+    # Steps (8, 8, 5), (5, 5, done), then (8, 8, done), (5, 5, done) three times: padded to width 8 and to width
+    # 5, two shapes of 4 steps each, of which the first GRAPH_WARM_UP run eagerly
+    assert replayed.count(True) == 2 * (4 - concurrent_module.GRAPH_WARM_UP) and all(replayed)
+    for (state, loss), (expected, expected_loss) in zip(together, alone, strict=True):
         for name in expected:
             assert_close(state[name], expected[name], **TOL, msg=name)
         assert loss == pytest.approx(expected_loss, rel=1e-5)

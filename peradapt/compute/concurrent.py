@@ -125,10 +125,19 @@ class _StepInputs:
     images: torch.Tensor
     labels: torch.Tensor
     masks: dict[str, list[torch.Tensor]]
+    weights: torch.Tensor | None  # a padded step's (`ConcurrentSGD._padded_step`)
 
-    def fill(self, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor) -> None:
+    def fill(
+        self,
+        masks: dict[str, list[torch.Tensor]],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> None:
         self.images.copy_(images)
         self.labels.copy_(labels)
+        if self.weights is not None and weights is not None:
+            self.weights.copy_(weights)
         for name, calls in masks.items():
             torch._foreach_copy_(self.masks[name], calls)
 
@@ -286,6 +295,9 @@ class ConcurrentSGD:
                     drawn[index] = (rows + lane.offset, self.trainer.inputs.draw(len(rows), image_size, generator))
             if not drawn:
                 break
+            if self.graphs:  # every lane in every step, padded, so that one captured step serves
+                self._padded_step(together, *self._padded_inputs(pooled, drawn, len(lanes)))
+                continue
             sizes: dict[int, list[int]] = {}
             for index, (rows, _) in drawn.items():
                 sizes.setdefault(len(rows), []).append(index)
@@ -312,6 +324,47 @@ class ConcurrentSGD:
             draws = tuple(torch.cat(parts) for parts in zip(*(lane_draws for _, lane_draws in drawn), strict=True))
         inputs = self.trainer.inputs.prepared(images[rows], draws)
         return inputs.unflatten(0, (len(drawn), -1)), labels[rows].unflatten(0, (len(drawn), -1))
+
+    def _padded_inputs(
+        self,
+        pooled: tuple[torch.Tensor, torch.Tensor],
+        drawn: dict[int, tuple[torch.Tensor, AugmentationDraws | None]],
+        lanes: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """`_inputs` of every lane, each padded to the step's widest batch: a lane whose batch is shorter (the end of
+        its epoch), or that is done, fills its rows with the pool's first image, unaugmented, of weight 0. The
+        images and labels [K, width, ...], the weights [K, width] (1: a lane's own image), each lane's count."""
+        images = pooled[0]
+        width = max(len(rows) for rows, _ in drawn.values())
+        size = tuple(images.shape[2:])
+        padded, weights, counts = [], torch.zeros(lanes, width), []
+        for lane in range(lanes):
+            rows, draws = drawn.get(lane, (torch.zeros(0, dtype=torch.int64), None))
+            missing = width - len(rows)
+            neutral = self.trainer.inputs.neutral(missing, size)
+            if neutral is not None and draws is not None:
+                draws = tuple(torch.cat(pair) for pair in zip(draws, neutral, strict=True))
+            padded.append((torch.cat([rows, rows.new_zeros(missing)]), draws if draws is not None else neutral))
+            weights[lane, : len(rows)] = 1
+            counts.append(len(rows))
+        inputs, labels = self._inputs(pooled, padded)
+        return inputs, labels, weights.to(images.device, non_blocking=True), counts
+
+    def _padded_step(
+        self, together: _Together, images: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, counts: list[int]
+    ) -> None:
+        """One SGD step of every lane on its padded batch (`_padded_inputs`), replayed from a captured step
+        (`_replayed`): each lane as if it stepped alone on its own images, and a lane without any (done) does not
+        move: its gradient is 0, its pull and step are multiplied by 0 and its BatchNorms' statistics stay. Steps
+        in which every lane has a whole batch take the unweighted step."""
+        lanes = together.lanes
+        padded = any(count != images.shape[1] for count in counts)
+        generators = [lane.dropout for lane in lanes]
+        masks = self._masks(images[0], generators, together.generator, counts if padded else None)
+        losses = self._replayed(together.rule, masks, images, labels, weights if padded else None)
+        for lane, count, loss in zip(lanes, counts, losses, strict=True):
+            if count:
+                lane.losses.append(loss)
 
     def _rule(self, jobs: list[SGDJob]) -> _Rule:
         """The `_Rule` of `jobs`, their states and anchors stacked; with CUDA graphs the kept rule of jobs like
@@ -347,17 +400,14 @@ class ConcurrentSGD:
         return rule
 
     def _step(self, together: _Together, group: list[int], images: torch.Tensor, labels: torch.Tensor) -> None:
-        """One SGD step of the lanes `group` (indices into the stacks), each on its own batch. A step of every lane
-        by the fused step may be a CUDA graph's replay (`_replayed`)."""
+        """One SGD step of the lanes `group` (indices into the stacks), each on its own batch (without graphs: with
+        them every step is `_padded_step`)."""
         lanes, rule = together.lanes, together.rule
         whole = group == list(range(len(lanes)))  # else the group's rows are gathered, stepped and put back
         index = torch.tensor(group, device=self.model.device) if not whole else None
         part = rule.stacked if index is None else {name: tensor[index] for name, tensor in rule.stacked.items()}
         masks = self._masks(images[0], [lanes[i].dropout for i in group], together.generator)
-        if whole and self.graphs:
-            losses = self._replayed(rule, masks, images, labels)
-        else:
-            losses = self._update(rule, group, index, part, masks, images, labels)
+        losses = self._update(rule, group, index, part, masks, images, labels)
         if index is not None:
             with torch.no_grad():
                 for name, tensor in part.items():
@@ -374,39 +424,56 @@ class ConcurrentSGD:
         masks: dict[str, list[torch.Tensor]],
         images: torch.Tensor,
         labels: torch.Tensor,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's tensor work on the lanes `group`'s stacked state `part` (rows `index` of the stacks; None:
-        all): each lane's gradient, the proximal pull and the SGD step in place; the lanes' losses."""
+        all): each lane's gradient, the proximal pull and the SGD step in place; the lanes' losses. With `weights`
+        (a padded step of the fused pass, `_padded_step`) a lane without images of weight 1 does not move."""
         parameters = {name: part[name] for name in rule.trained}
         fixed = {name: part[name] for name in rule.fixed}
         try:
-            gradients, losses = (self.fused or self._gradients)(parameters, fixed, masks, images, labels)
+            if weights is None:
+                gradients, losses = (self.fused or self._gradients)(parameters, fixed, masks, images, labels)
+            else:
+                assert self.fused is not None, "padded steps are the fused pass's"
+                gradients, losses = self.fused(parameters, fixed, masks, images, labels, weights)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
             raise ConfigError(RANDOM_DRAWS) from None
         anchors = rule.anchors
+        moving = None if weights is None else (weights.sum(1) > 0).to(weights.dtype)  # lanes with images
+
+        def factors(values: list[float]) -> float | torch.Tensor:
+            chosen = rule.factors(values, group)
+            return chosen if moving is None else moving * chosen
+
         with torch.no_grad():
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
                 values, steps = list(parameters.values()), [gradients[name] for name in parameters]
                 pulls = torch._foreach_sub(
                     values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
                 )
-                _add_scaled_(steps, pulls, rule.factors(rule.lams, group))
-            for factors, names in rule.rates:  # v <- v - lr g
+                _add_scaled_(steps, pulls, factors(rule.lams))
+            for rates, names in rule.rates:  # v <- v - lr g
                 targets, addends = [parameters[n] for n in names], [gradients[n] for n in names]
-                _add_scaled_(targets, addends, rule.factors(factors, group))
+                _add_scaled_(targets, addends, factors(rates))
         return losses
 
     def _replayed(
-        self, rule: _Rule, masks: dict[str, list[torch.Tensor]], images: torch.Tensor, labels: torch.Tensor
+        self,
+        rule: _Rule,
+        masks: dict[str, list[torch.Tensor]],
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor | None,
     ) -> torch.Tensor:
         """`_update` of every lane, replayed from a CUDA graph captured for `rule` and the shape of `images` once
         the first `GRAPH_WARM_UP` such steps ran eagerly (on a side stream: the libraries' lazy set-up is not
         captured). The graph reads the step's inputs and masks from buffers of its own, which each step fills (a
         copy each), and works on the rule's stacked state in place, as `_update` does. All graphs share one memory
         pool: they run one after another. Off the GPU (tests) the same buffers are used without a graph."""
-        key = tuple(images.shape)
+        key = (*images.shape, weights is not None)
         done = rule.eager_steps.get(key, 0)
         device = self.model.device
         on_gpu = device.type == "cuda"
@@ -418,23 +485,31 @@ class ConcurrentSGD:
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream(device))
                     stack.enter_context(torch.cuda.stream(side))
-                losses = self._update(rule, everyone, None, rule.stacked, masks, images, labels)
+                losses = self._update(rule, everyone, None, rule.stacked, masks, images, labels, weights)
             if side is not None:
                 torch.cuda.current_stream(device).wait_stream(side)
             return losses
         captured = rule.graphs.get(key)
         if captured is None:
             copies = {name: [mask.clone() for mask in calls] for name, calls in masks.items()}
-            inputs = _StepInputs(images.clone(), labels.clone(), copies)
+            inputs = _StepInputs(images.clone(), labels.clone(), copies, None if weights is None else weights.clone())
             step = functools.partial(
-                self._update, rule, everyone, None, rule.stacked, inputs.masks, inputs.images, inputs.labels
+                self._update,
+                rule,
+                everyone,
+                None,
+                rule.stacked,
+                inputs.masks,
+                inputs.images,
+                inputs.labels,
+                inputs.weights,
             )
             if on_gpu and self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph() if on_gpu else None
             captured = rule.graphs[key] = _Captured(inputs, step, graph, self._pool)
         else:
-            captured.inputs.fill(masks, images, labels)
+            captured.inputs.fill(masks, images, labels, weights)
         return captured.replay().clone()
 
     def _client_loss(
@@ -482,10 +557,15 @@ class ConcurrentSGD:
                 del module.forward
 
     def _masks(
-        self, example: torch.Tensor, generators: list[torch.Generator], generator: torch.Generator
+        self,
+        example: torch.Tensor,
+        generators: list[torch.Generator],
+        generator: torch.Generator,
+        counts: list[int] | None = None,
     ) -> dict[str, list[torch.Tensor]]:
         """Per dropout of a forward pass on batches like `example`, the group's masks stacked on the lane axis (one
-        lane per generator of `generators`), one per call of it in call order.
+        lane per generator of `generators`), one per call of it in call order. `counts`: of a padded step, each
+        lane's own images, the first of its rows (on CPU its masks are drawn for those alone, the rest are 1).
 
         On CPU each client's masks come from its own generator, drawn as the layer's own forward pass draws them
         (`keep_mask` or `F.dropout`'s noise) in the layout it sees: `LocalTrainer.run`'s masks, exactly. Elsewhere
@@ -504,9 +584,10 @@ class ConcurrentSGD:
                 for position, part in zip(positions, drawn.div_(1 - p).split(sizes), strict=True):
                     stacked[position] = part.view(shapes[position])
         else:
+            width = len(example)
             per_client = [
-                [self._cpu_mask(name, (len(example), *rest), stride, lane) for name, rest, stride in calls]
-                for lane in generators
+                [_padded_to(self._cpu_mask(name, (count, *rest), stride, lane), width) for name, rest, stride in calls]
+                for lane, count in zip(generators, counts or [width] * len(generators), strict=True)
             ]
             stacked = [torch.stack([masks[i] for masks in per_client]) for i in range(len(calls))]
         masks: dict[str, list[torch.Tensor]] = {}
@@ -602,6 +683,13 @@ class ConcurrentSGD:
         (mean_loss,) = finite_means(lane.losses, 1, lane.job.lr)
         trained = lane.job.finished({name: tensor.clone() for name, tensor in state.items()})
         return trained, mean_loss
+
+
+def _padded_to(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A lane's masks for its own rows, then 1 for the rows that pad its batch to `width`."""
+    if len(mask) == width:
+        return mask
+    return torch.cat([mask, mask.new_ones((width - len(mask), *mask.shape[1:]))])
 
 
 def _add_scaled_(targets: list[torch.Tensor], addends: list[torch.Tensor], factors: float | torch.Tensor) -> None:

@@ -102,24 +102,34 @@ def _pointwise_conv(module: nn.Module, tensors: dict[str, torch.Tensor], clients
     return _rows_as_channels(y, x)
 
 
-def _batch_norm(module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor) -> torch.Tensor:
-    """`nn.BatchNorm2d` per client (see the module's docstring), on [K*B, C, H, W]."""
+def _batch_norm(
+    module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`nn.BatchNorm2d` per client (see the module's docstring), on [K*B, C, H, W]. With `rows` (weights [K, B] of
+    1 and 0: a padded step, `FusedStep`) each client's statistics are those of its weighted images alone, and a
+    client without any (a lane done) moves no running statistic."""
     assert isinstance(module, _BatchNorm)
     channels = x.shape[1]
-    rows = _channels_as_rows(x, clients).float()
+    values = _channels_as_rows(x, clients).float()
     running_mean, running_var = tensors.get("running_mean"), tensors.get("running_var")
     if module.training or running_mean is None:
-        var, mean = torch.var_mean(rows, dim=1, correction=0)  # [K, C] each
+        if rows is None:
+            var, mean = torch.var_mean(values, dim=1, correction=0)  # [K, C] each
+            count: int | torch.Tensor = values.shape[1]
+        else:
+            positions = values.shape[1] // rows.shape[1]  # H·W
+            count = rows.sum(1, keepdim=True) * positions  # [K, 1]
+            # A lane without images normalizes its (padding) rows by their own statistics: finite activations
+            # (statistics of nothing would scale them by 1/sqrt(eps) at every layer), and no weight in its loss.
+            used = torch.where(count > 0, rows, torch.ones_like(rows))
+            weights = used.repeat_interleave(positions, dim=1).unsqueeze(2)  # [K, B·H·W, 1]
+            total = weights.sum(1)
+            mean = (values * weights).sum(1) / total
+            var = ((values - mean.unsqueeze(1)).square() * weights).sum(1) / total
         if module.training and running_mean is not None and running_var is not None:
-            count = rows.shape[1]
             tracked = tensors["num_batches_tracked"]
             with torch.no_grad():
-                tracked.add_(1)
-                momentum: float | torch.Tensor = module.momentum if module.momentum is not None else 0.0
-                if module.momentum is None:  # a cumulative average: 1 / batches seen, per client
-                    momentum = 1.0 / tracked.float().unsqueeze(1)
-                running_mean.lerp_(mean.detach(), momentum)
-                running_var.lerp_(var.detach() * (count / (count - 1)), momentum)  # the unbiased variance
+                _update_running(module, tracked, running_mean, running_var, mean, var, count, rows)
     else:
         mean = _stacked(running_mean, clients, (channels,))
         var = _stacked(running_var, clients, (channels,))  # type: ignore[arg-type]
@@ -129,8 +139,40 @@ def _batch_norm(module: nn.Module, tensors: dict[str, torch.Tensor], clients: in
         shift = _stacked(tensors["bias"], clients, (channels,)) - mean * scale
     else:
         shift = -mean * scale
-    normalized = torch.addcmul(shift.unsqueeze(1), rows, scale.unsqueeze(1))
+    normalized = torch.addcmul(shift.unsqueeze(1), values, scale.unsqueeze(1))
     return _rows_as_channels(normalized.to(x.dtype), x)
+
+
+def _update_running(
+    module: _BatchNorm,
+    tracked: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    count: int | torch.Tensor,
+    rows: torch.Tensor | None,
+) -> None:
+    """The running statistics moved by the batch's, with the layer's momentum and the unbiased variance, as
+    `nn.BatchNorm2d` moves them; with `rows`, only those of clients with images in the step."""
+    if rows is None:
+        tracked.add_(1)
+        momentum: float | torch.Tensor = module.momentum if module.momentum is not None else 0.0
+        if module.momentum is None:  # a cumulative average: 1 / batches seen, per client
+            momentum = 1.0 / tracked.float().unsqueeze(1)
+        running_mean.lerp_(mean.detach(), momentum)
+        running_var.lerp_(var.detach() * (count / (count - 1)), momentum)  # the unbiased variance
+        return
+    assert isinstance(count, torch.Tensor)
+    active = (count > 0).float()  # [K, 1]
+    tracked.add_(active.squeeze(1).to(tracked.dtype))
+    if module.momentum is None:
+        momentum = active / tracked.float().clamp(min=1).unsqueeze(1)
+    else:
+        momentum = active * module.momentum
+    unbiased = torch.where(count > 1, count / (count - 1).clamp(min=1), 1.0)
+    running_mean.lerp_(mean.detach(), momentum)
+    running_var.lerp_(var.detach() * unbiased, momentum)
 
 
 def _layer_norm(module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor) -> torch.Tensor:
@@ -206,32 +248,39 @@ class FusedStep:
         masks: dict[str, list[torch.Tensor]],
         images: torch.Tensor,
         labels: torch.Tensor,
+        weights: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Gradients of each client's mean loss in the stacked `parameters`, and the K losses (detached); the
         running statistics in `fixed` updated in place. `images` [K, B, ...], `labels` [K, B, ...]; `masks`: per
-        dropout, its masks [K, B, ...] one per call in call order."""
-        clients = images.shape[0]
+        dropout, its masks [K, B, ...] one per call in call order. `weights` [K, B] (1 or 0): a padded step, in
+        which each client has only the images of weight 1 (fewer than B at the end of its epoch, none once it is
+        done): its loss and its BatchNorms' statistics are those of its own images, as if it stepped alone."""
+        clients, width = images.shape[:2]
         leaves = {name: tensor.detach().requires_grad_() for name, tensor in parameters.items()}
         flat_masks = {name: [mask.flatten(0, 1) for mask in calls] for name, calls in masks.items()}
         before = None if self.draws_checked else _random_states(images.device)
         with (
-            self._stacked_forwards(clients, {**leaves, **fixed}),
+            self._stacked_forwards(clients, {**leaves, **fixed}, weights),
             masked_dropouts(self.dropouts, flat_masks),
             self.autocast(),
         ):
             logits = logits_of(self.module(images.flatten(0, 1)))
-            per_sample = self.loss(logits.float(), labels.flatten(0, 1))
+            per_sample = self.loss(logits.float(), labels.flatten(0, 1)).reshape(clients, width, -1).mean(2)
         if before is not None:  # once: a layer that draws (drop-path) would draw one sample for all clients
             if any(not torch.equal(a, b) for a, b in zip(before, _random_states(images.device), strict=True)):
                 raise ConfigError(RANDOM_DRAWS)
             self.draws_checked = True
-        losses = per_sample.reshape(clients, -1).mean(1)
+        # With weights each client's mean over its own images; 0 for a client without any
+        losses = per_sample.mean(1) if weights is None else (per_sample * weights).sum(1) / weights.sum(1).clamp(min=1)
         gradients = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, gradients, strict=True)), losses.detach()
 
     @contextlib.contextmanager
-    def _stacked_forwards(self, clients: int, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Each owner of clients' state computes with `tensors` (stacked [K, ...]) and its own shared ones."""
+    def _stacked_forwards(
+        self, clients: int, tensors: dict[str, torch.Tensor], weights: torch.Tensor | None
+    ) -> Iterator[None]:
+        """Each owner of clients' state computes with `tensors` (stacked [K, ...]) and its own shared ones; the
+        BatchNorms with the images' `weights` of a padded step."""
         replaced: list[nn.Module] = []
         for name, (owner, keys) in self.owners.items():
             local = {key[len(name) + 1 :] if name else key: tensors[key] for key in keys}
@@ -239,6 +288,8 @@ class FusedStep:
                 local.setdefault(local_name, tensor)
             forward = stacked_forward(owner)
             assert forward is not None, f"{name} is not fusable"
+            if isinstance(owner, _BatchNorm) and weights is not None:
+                forward = functools.partial(_batch_norm, rows=weights)
             owner.forward = functools.partial(forward, owner, local, clients)  # type: ignore[method-assign]
             replaced.append(owner)
         try:

@@ -20,7 +20,13 @@ from peradapt.adapters import AdapterState
 from peradapt.compute.costs import training_flops
 from peradapt.compute.metrics import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
-from peradapt.data.batches import AUGMENTATIONS, AugmentationDraws, apply_augmentation, draw_augmentation
+from peradapt.data.batches import (
+    AUGMENTATIONS,
+    AugmentationDraws,
+    apply_augmentation,
+    draw_augmentation,
+    neutral_augmentation_draws,
+)
 from peradapt.errors import TrainingDiverged
 
 if TYPE_CHECKING:  # annotations only: privacy imports this package's leaf modules; the model's module imports PEFT
@@ -63,6 +69,13 @@ class InputPipeline:
             return None
         height, width = size
         return draw_augmentation(self.augment, count, height, width, generator)
+
+    def neutral(self, count: int, size: tuple[int, ...]) -> AugmentationDraws | None:
+        """Draws for `count` images of `size` that leave them as they are (`neutral_augmentation_draws`)."""
+        if self.augment == "none":
+            return None
+        height, width = size
+        return neutral_augmentation_draws(self.augment, count, height, width)
 
     def prepared(self, images: torch.Tensor, draws: AugmentationDraws | None) -> torch.Tensor:
         """Model inputs of uint8 `images`, augmented by `draws` (`draw`: of this batch, or the concatenated draws

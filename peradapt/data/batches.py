@@ -119,6 +119,20 @@ def apply_augmentation(images: torch.Tensor, augmentation: str, draws: Augmentat
     raise ValueError(f"unknown augmentation {augmentation!r}: use {', '.join(AUGMENTATIONS)}")
 
 
+def neutral_augmentation_draws(augmentation: str, count: int, height: int, width: int) -> AugmentationDraws:
+    """Draws of ``augmentation`` that leave ``count`` images as they are (the centred crop of crop-flip, the
+    whole image as resized-crop's box, no flip): the rows that pad a batch (concurrent clients' padded steps)."""
+    if augmentation == "crop-flip":
+        offsets = torch.full((count, 1), CROP_PADDING, dtype=torch.int64)
+        return offsets, offsets.clone(), torch.zeros((count, 1), dtype=torch.bool)
+    if augmentation == "resized-crop":
+        boxes = torch.tensor([[0, 0, height, width]], dtype=torch.int64).expand(count, 4)
+        return boxes, torch.zeros(count, dtype=torch.bool)
+    if augmentation == "none":
+        return ()
+    raise ValueError(f"unknown augmentation {augmentation!r}: use {', '.join(AUGMENTATIONS)}")
+
+
 CROP_PADDING = 4  # crop-flip: pixels of zeros around the image, so a crop shifts it by up to this many
 
 
