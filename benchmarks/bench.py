@@ -1003,6 +1003,8 @@ def main() -> None:
             traceback.print_exc()
             failed[name] = f"{type(error).__name__}: {error}"
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        if args.json:  # after every phase: a run stopped by a time limit keeps the figures it took
+            args.json.write_text(json.dumps({**results, **({"failed": failed} if failed else {})}, indent=2) + "\n")
     if failed:
         results["failed"] = failed
     print_results(results)

@@ -1,6 +1,7 @@
 """`make gpu-check`: verify peradapt's CUDA path on this machine and take the GPU benchmark figures, in one command.
 
-    python benchmarks/gpu_check.py [--json gpu-check.json] [--quick | --smoke] [--device cuda|cpu]
+    python benchmarks/gpu_check.py [--json gpu-check.json] [--quick | --smoke] [--device cuda|cpu] [--scale]
+        [--reference benchmarks/reference/PerAda]
 
 1. The tests marked `cuda` (tests/test_cuda.py: bf16 against fp32 predictions, channels-last, a crashed and resumed
    GPU run bit-identical to an uninterrupted one, seeded DP noise on the device, Flower with GPU resources,
@@ -8,7 +9,11 @@
    tests' own synthetic Fashion-MNIST stand-in: no network, no dataset needed.
 2. The benchmark figures that a GPU changes (`bench.py --device cuda --only` the `ON_DEVICE` figures: step, kd,
    concurrent, estimate), on random images.
-3. One JSON: the device, the tests' outcome, the figures. Exit code 0 only when every test passed.
+3. With `--scale`, the scale phase too (on a GPU a round of 1,000 clients and a 10,000-client run: `scale_on_gpu`);
+   with `--reference DIR`, one round of the authors' NVlabs/PerAda code against peradapt's
+   (`benchmarks/reference_round.py`; DIR is its export of their tree).
+4. One JSON: the device, the tests' outcome, the figures, written after each part (a time limit keeps what is
+   done). Exit code 0 only when every test passed and every part ran.
 
 Without a visible CUDA GPU it stops at once with one line (exit 2): it has nothing to check.
 
@@ -42,6 +47,12 @@ def main() -> None:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same steps on the CPU, to test this driver"
     )
+    parser.add_argument("--scale", action="store_true", help="also the scale phase (on a GPU: scale_on_gpu)")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="also benchmarks/reference_round.py against the NVlabs/PerAda tree exported here (see its docstring)",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU is visible (torch.cuda.is_available() is False): run this on a GPU machine")
@@ -54,18 +65,31 @@ def main() -> None:
         "bf16": torch.cuda.is_bf16_supported() if gpu else None,
         "tests": run_tests(args.device),
     }
+    args.json.write_text(json.dumps(results, indent=2) + "\n")  # after each part: a time limit keeps what is done
     bench_json = args.json.with_suffix(".bench.json")
     bench_json.unlink(missing_ok=True)  # an earlier check's figures are not this one's
     size = ["--smoke"] if args.smoke else ["--quick"] if args.quick else []
+    phases = [*ON_DEVICE, *(["scale"] if args.scale else [])]
     command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--device", args.device, *size]
-    command += ["--only", ",".join(ON_DEVICE), "--json", str(bench_json.resolve())]
+    command += ["--only", ",".join(phases), "--json", str(bench_json.resolve())]
     finished = subprocess.run(command, cwd=ROOT / "benchmarks", capture_output=True, text=True, check=False)
     # A failed phase leaves the others' figures, and its error under "failed".
     results["benchmark"] = json.loads(bench_json.read_text()) if bench_json.exists() else None
     results["benchmark_log"] = finished.stdout[-4000:] + finished.stderr[-4000:]
     args.json.write_text(json.dumps(results, indent=2) + "\n")
+    ok = results["tests"]["returncode"] == 0 and finished.returncode == 0
+    if args.reference is not None:
+        reference_json = args.json.with_suffix(".reference.json")
+        command = [sys.executable, str(ROOT / "benchmarks" / "reference_round.py"), "--device", args.device]
+        command += ["--reference", str(args.reference.resolve()), "--json", str(reference_json.resolve())]
+        command += ["--smoke"] if args.smoke else []
+        finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+        results["reference_round"] = json.loads(reference_json.read_text()) if reference_json.exists() else None
+        results["reference_round_log"] = finished.stdout[-2000:] + finished.stderr[-2000:]
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        ok = ok and finished.returncode == 0
     print(f"{results['device']}: tests {results['tests']['summary']}; figures in {args.json}")
-    sys.exit(0 if results["tests"]["returncode"] == 0 and finished.returncode == 0 else 1)
+    sys.exit(0 if ok else 1)
 
 
 def run_tests(device: str) -> dict:
