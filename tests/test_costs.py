@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from peradapt.compute.costs import sgd_samples, state_bytes, training_flops
+from peradapt.compute.costs import peak_memory, sgd_samples, state_bytes, training_flops
 from peradapt.evaluation.plots import plot_accuracy_vs_cost
 from peradapt.federation.session import build_session
 from peradapt.federation.tracking import numeric
@@ -250,3 +250,32 @@ def test_the_cost_plot_takes_plain_points(tmp_path):
     path = plot_accuracy_vs_cost(panels, "accuracy %", tmp_path / "cost.png")
     with Image.open(path) as image:
         assert image.format == "PNG"
+
+
+def touched(megabytes: int) -> np.ndarray:
+    """An array of `megabytes` MB whose pages are all resident."""
+    array = np.empty(megabytes * 2**20, dtype=np.uint8)
+    array.fill(1)
+    return array
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak on Linux only")
+def test_a_runs_peak_memory_is_its_own_not_the_processs(tmp_path, fmnist_dir, home):
+    """Runs made one after another in one process (compare, the API) each report their own peak resident memory:
+    a 1.5 GB spike between two runs is not in the second's report."""
+    from rich.console import Console
+
+    from peradapt.config import TrainConfig
+    from peradapt.federation.engine import train
+
+    from .conftest import settings
+
+    quiet = Console(quiet=True)
+    first = train(TrainConfig.from_flat(settings(fmnist_dir, tmp_path / "one")), console=quiet)
+    spike = touched(1536)
+    spiked = peak_memory(torch.device("cpu"))["peak_rss_bytes"]
+    del spike
+    second = train(TrainConfig.from_flat(settings(fmnist_dir, tmp_path / "two")), console=quiet)
+    peaks = [run["cost"]["timing"]["peak_rss_bytes"] for run in (first, second)]
+    assert spiked > peaks[0] + 2**30, (peaks, spiked)  # the spike counted while it lasted
+    assert 0 < peaks[1] < spiked - 2**30, (peaks, spiked)

@@ -18,10 +18,12 @@ an uninterrupted one but for them.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -68,10 +70,35 @@ def training_flops(forward: Callable[[torch.Tensor], torch.Tensor], inputs: torc
     return counter.get_total_flops() // len(inputs)
 
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def reset_peak_memory() -> None:
+    """Start the peaks that `peak_memory` reports from now, for a run of its own in a process that ran others
+    (`compare`, the API): Linux resets the process's high-water mark (VmHWM) to its present size when "5" is
+    written to /proc/self/clear_refs; every GPU's peak is reset. Elsewhere (macOS) the resident peak stays the
+    process's since its start."""
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)
+
+
 def peak_memory(device: torch.device) -> dict[str, int]:
-    """The process's peak resident memory so far and, on a GPU, the most memory its tensors held."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peaks = {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}  # Linux says kibibytes, macOS bytes
+    """The peak resident memory since the last `reset_peak_memory` (Linux; elsewhere the process's) and, on a
+    GPU, the most memory its tensors held since then."""
+    peaks = {"peak_rss_bytes": _peak_rss_bytes()}
     if device.type == "cuda":
         peaks["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device)
     return peaks
+
+
+def _peak_rss_bytes() -> int:
+    with contextlib.suppress(OSError):
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux says kibibytes, macOS bytes

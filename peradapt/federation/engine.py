@@ -37,7 +37,7 @@ from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.compute.costs import ClientWork, peak_memory, state_bytes
+from peradapt.compute.costs import ClientWork, peak_memory, reset_peak_memory, state_bytes
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label, parse_budget
 from peradapt.data import ClientData
@@ -150,6 +150,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
     newest checkpoint, for `--resume`, and Ctrl-C becomes `Interrupted`, which says how to resume.
     """
     check_installed(config.log)  # --log: each tracker's package, before anything is built or written
+    reset_peak_memory()  # this run's peaks, not those of the runs this process made before (compare)
     run_dir = Path(config.out) if config.out else default_run_dir(config)
     config.out = str(run_dir)
     paths = RunPaths(run_dir)
