@@ -126,6 +126,12 @@ def test_train_writes_a_complete_run_directory(finished_run):
     assert saved["config"]["seed"] == 0
     assert {"torch", "peft", "timm", "python"} <= saved["resolved"]["versions"].keys()
     assert saved["resolved"]["weights"].endswith(f"fmnist-{TINY_BACKBONE}.safetensors")
+    # The code that made the numbers: this checkout's commit, "-dirty" while its tracked files differ from it
+    checkout = Path(__file__).resolve().parents[1]
+    describe = ["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=12"]
+    if (checkout / ".git").exists():
+        expected = subprocess.run(describe, capture_output=True, text=True, check=True).stdout.strip()
+        assert saved["resolved"]["versions"]["peradapt_source"] == expected
 
     metrics = [json.loads(line) for line in files["metrics.jsonl"].decode().splitlines()]
     assert [m["round"] for m in metrics] == [1, 2, 3]

@@ -81,7 +81,7 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
         digest = hashlib.sha256((out / f"perada-seed{seed}" / "partition.json").read_bytes()).hexdigest()
         assert audit["partition_sha256"][str(seed)] == digest
     assert "local_test" in audit["scored"] and "last round" in audit["selection"]
-    assert audit["versions"]["torch"] and audit["versions"]["peradapt"]
+    assert audit["versions"]["torch"] and audit["versions"]["peradapt"] and audit["versions"]["peradapt_source"]
     markdown = (out / "compare.md").read_text()
     assert "| 1= | perada |" in markdown or "| 1 | perada |" in markdown or "| 2 | perada |" in markdown
     assert "reference" in markdown and (out / "ranking.png").stat().st_size > 0

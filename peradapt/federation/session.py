@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -101,8 +102,27 @@ class Session:
             "image_size": self.data.image_size,
             "trainable_parameters": self.model.num_trainable(),
             "backbone_parameters": self.model.num_backbone(),
-            "versions": {"python": platform.python_version(), **{p: _version(p) for p in packages}},
+            "versions": {
+                "python": platform.python_version(),
+                **{p: _version(p) for p in packages},
+                "peradapt_source": source_commit(),
+            },
         }
+
+
+def source_commit() -> str:
+    """The commit of peradapt's source where it runs from a git checkout (an editable install), with "-dirty" when
+    its tracked files differ from it: the numbers' exact code, which the version number alone does not name. An
+    installed release says so."""
+    here = Path(__file__).resolve().parents[1]  # the package: a checkout's top is its parent
+    command = ["git", "-C", str(here.parent), "describe", "--always", "--dirty", "--abbrev=12"]
+    if not (here.parent / ".git").exists():
+        return "not a git checkout (an installed release: its version says it)"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git could not read the checkout)"
+    return done.stdout.strip()
 
 
 def _version(package: str) -> str:
