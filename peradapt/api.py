@@ -199,6 +199,7 @@ def compare(
     anchors: bool = True,
     ood: str | None = None,
     ood_limit: int | None = None,
+    test: str = "t",
     quiet: bool = False,
     console: Console | None = None,
     **settings: Any,
@@ -233,6 +234,7 @@ def compare(
             anchors=anchors,
             ood=ood,
             ood_limit=ood_limit,
+            test=test,  # type: ignore[arg-type]  # checked there, in one line
         )
 
 

@@ -264,6 +264,14 @@ def compare(
     ] = True,
     ood: Annotated[str | None, Opt(help="Also score every run on this OOD set (as `peradapt eval --ood`).")] = None,
     ood_limit: Annotated[int | None, Opt(help="With --ood: at most N images of each corruption and severity.")] = None,
+    test: Annotated[
+        str,
+        Opt(
+            help="The paired test over seeds: t (paired t-test) or wilcoxon (signed-rank: cannot reach p < 0.05 "
+            "below 6 seeds). Its p are Holm-adjusted over the comparisons shown together.",
+            metavar="t|wilcoxon",
+        ),
+    ] = "t",
     **settings: Any,
 ) -> None:
     """Tune, repeat and cost several methods on the same partitions and seeds, and print the ranked comparison.
@@ -289,6 +297,7 @@ def compare(
         anchors=anchors,
         ood=ood,
         ood_limit=ood_limit,
+        test=test,
         console=err_console,
         **given_settings(settings),
     )

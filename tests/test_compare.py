@@ -72,6 +72,8 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
         t = (sum(differences) / 2) / (spread / math.sqrt(2))
         assert paired["p_value"] == pytest.approx(2 * stats.t.sf(abs(t), 1))
         assert paired["significant"] == (paired["p_value"] < 0.05)
+    # One comparison with the reference: Holm's adjustment over a family of one leaves p as it is
+    assert paired["p_holm"] == paired["p_value"] and result["test"] == "paired t-test"
     # Two seeds never reach p < 0.05 unless the differences agree almost exactly: the methods tie.
     if not paired["significant"]:
         assert {rows[m]["rank"] for m in rows} == {"1="}
@@ -83,6 +85,7 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
     assert "local_test" in audit["scored"] and "last round" in audit["selection"]
     assert audit["versions"]["torch"] and audit["versions"]["peradapt"] and audit["versions"]["peradapt_source"]
     markdown = (out / "compare.md").read_text()
+    assert "intervals within [0, 100]" in markdown and "Holm-adjusted p < 0.05" in markdown
     assert "| 1= | perada |" in markdown or "| 1 | perada |" in markdown or "| 2 | perada |" in markdown
     assert "reference" in markdown and (out / "ranking.png").stat().st_size > 0
     assert "| perada-nokd | adapter |" in markdown  # scope and parameter counts, as the paper's Table 1
@@ -150,6 +153,7 @@ def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmni
         (compare_args(fmnist_dir, out, "--feddyn-alpha", "0.1", "--no-anchors"), "--feddyn-alpha is a setting of"),
         (compare_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "cannot be reached"),
         (compare_args(fmnist_dir, out, "--tune", "1", "--storage", "nosuchdb://here/x"), "nosuchdb://here/x"),
+        (compare_args(fmnist_dir, out, "--test", "anova"), "unknown --test 'anova': use t or wilcoxon"),
     ]
     for args, needle in cases:
         expect_user_error(args, capsys, monkeypatch, needle)
@@ -199,3 +203,12 @@ def test_tuning_reads_no_test_image_before_the_final_runs(
     for trial in tuning["trials"]:  # every trial scored on validation splits
         assert read(Path(trial["run_dir"]) / "config.json")["config"]["data"]["eval_split"] == "validation"
     assert result["rows"][0]["tuned"] == tuning["best_params"]
+
+
+def test_intervals_are_shown_within_0_and_100():
+    """A t interval of few seeds can reach past a percentage's ends: the table shows it within them."""
+    from peradapt.commands.comparison import _score
+
+    entry = {"mean": 41.2, "std": 33.31, "low": -258.08, "high": 340.49}
+    assert _score(entry, interval=True) == "41.20 ± 33.31 [0.00, 100.00]"
+    assert _score({**entry, "low": 10.0, "high": 70.0}, interval=True) == "41.20 ± 33.31 [10.00, 70.00]"

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from peradapt.evaluation.statistics import PairedTest, SeedSummary, over_seeds, paired_difference, tied_ranks
+from peradapt.evaluation.statistics import (
+    PairedTest,
+    SeedSummary,
+    holm,
+    over_seeds,
+    paired_difference,
+    tied_ranks,
+)
 
 T_975_DF2 = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))  # closed form for 2 df, see above
 T_975_DF1 = math.tan(math.pi * 0.475)  # Cauchy quantile for 1 df
@@ -132,6 +139,7 @@ def test_identical_columns_are_not_different():
         "n": 3,
         "test": "paired t-test",
         "note": "identical scores on every seed",
+        "p_holm": None,  # alone: no family of tests to adjust over
     }
     json.dumps(result.as_dict(), allow_nan=False)
 
@@ -226,3 +234,31 @@ def test_ranks_of_one_seed_all_tie():
 def test_ranks_of_identical_methods_tie():
     ranks = tied_ranks({"A": [70.0, 71.0, 72.0], "B": [70.0, 71.0, 72.0], "C": [60.0, 62.0, 61.0]})
     assert [(r.method, r.label) for r in ranks] == [("A", "1="), ("B", "1="), ("C", "3")]
+
+
+def test_holm_adjusts_by_hand():
+    # m = 4, sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06; 0.04 x 1 = 0.04, raised to the running
+    # maximum 0.06 (adjusted p never decrease along the sorted order). None: no test, not counted in m.
+    assert holm([0.01, 0.04, None, 0.03, 0.005]) == pytest.approx([0.03, 0.06, None, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert holm([]) == [] and holm([None]) == [None]
+
+
+def test_ranks_tie_where_only_the_raw_p_is_below_alpha():
+    # Four methods, six pairs (C, noisy, is near no one). Raw p: A − D 0.0032, A − B 0.015, B − D 0.039, all
+    # below 0.05 alone. Holm, sorted: 0.0032 x 6 = 0.019 (A better than D); 0.015 x 5 = 0.077 and 0.039 x 4 = 0.16
+    # are not, so B ties with A, which raw p alone would have ranked first on its own.
+    values = {
+        "A": [81.0, 81.5, 81.2, 80.9],
+        "B": [80.4, 80.6, 80.9, 80.2],
+        "C": [70.0, 90.0, 60.0, 95.0],
+        "D": [80.0, 80.0, 80.0, 80.0],
+    }
+    raw = {
+        pair: paired_difference(values[pair[0]], values[pair[1]]).p_value
+        for pair in (("A", "B"), ("B", "D"), ("A", "D"))
+    }
+    assert raw[("A", "B")] < 0.05 and raw[("B", "D")] < 0.05 and raw[("A", "D")] < 0.05 / 6
+    ranks = {rank.method: rank.label for rank in tied_ranks(values)}
+    assert ranks["A"] == "1=" and ranks["B"] == "1="  # raw p alone would have ranked A alone first
+    assert ranks["D"] == "2"  # A is better than D even after the adjustment

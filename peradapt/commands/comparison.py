@@ -36,7 +36,16 @@ from peradapt.config import COMPARE_SETS, TrainConfig, method_path_label, settin
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.evaluation.plots import RankedScore, plot_accuracy_vs_cost, plot_ranking
-from peradapt.evaluation.statistics import ALPHA, over_seeds, paired_difference, tied_ranks
+from peradapt.evaluation.statistics import (
+    ALPHA,
+    TEST_LABELS,
+    PairedTest,
+    PairedTestName,
+    holm_adjusted,
+    over_seeds,
+    paired_difference,
+    tied_ranks,
+)
 from peradapt.federation.engine import check_budget, resume_config
 from peradapt.federation.session import build_session
 from peradapt.methods import method_class
@@ -105,13 +114,18 @@ def compare(
     anchors: bool = True,
     ood: str | None = None,
     ood_limit: int | None = None,
+    test: PairedTestName = "t",
 ) -> dict:
     """Tune (`tune_trials` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
 
     `anchors` adds standalone and fedavg-ft where missing; `reference` (default perada if compared, else the first
     method) is the method every other is tested against; `ood` names an OOD set to evaluate every run on;
-    `tune_only` stops after the trials (a worker sharing the study through `storage`)."""
+    `tune_only` stops after the trials (a worker sharing the study through `storage`). `test`: the paired test
+    (`evaluation.statistics.paired_difference`: t or wilcoxon), whose p are Holm-adjusted over the comparisons
+    shown together (each method against the reference; all pairs for the ranks)."""
     console = console or text_console(stderr=True)
+    if test not in TEST_LABELS:
+        raise ConfigError(f"unknown --test '{test}': use {' or '.join(TEST_LABELS)}")
     methods = _checked_methods(settings, methods, anchors)
     reference = _reference(reference, methods)
     if not seeds:
@@ -135,8 +149,17 @@ def compare(
         for method in methods
     }
     facts = {method: [_facts(run, ood, ood_limit, console) for run in runs[method]] for method in methods}
-    rows = [_row(method, runs[method], facts[method], facts[reference], chosen[method]) for method in methods]
-    ranks = tied_ranks({method: _column(facts[method], PRIMARY.key) for method in methods})
+    others = [method for method in methods if method != reference]
+    against = [
+        paired_difference(_column(facts[m], PRIMARY.key), _column(facts[reference], PRIMARY.key), test=test)
+        for m in others
+    ]
+    versus = dict(zip(others, holm_adjusted(against), strict=True))
+    versus[reference] = paired_difference(
+        _column(facts[reference], PRIMARY.key), _column(facts[reference], PRIMARY.key), test=test
+    )
+    rows = [_row(method, runs[method], facts[method], versus[method], chosen[method]) for method in methods]
+    ranks = tied_ranks({method: _column(facts[method], PRIMARY.key) for method in methods}, test=test)
     for rank in ranks:
         next(row for row in rows if row["method"] == rank.method)["rank"] = rank.label
     rows.sort(key=lambda row: [rank.method for rank in ranks].index(row["method"]))
@@ -145,6 +168,8 @@ def compare(
         "methods": methods,
         "seeds": list(seeds),
         "reference": reference,
+        "test": TEST_LABELS[test],
+        "correction": "Holm, over each method against the reference, and over all pairs for the ranks",
         "tune": tune_trials,
         "rows": rows,
         "ranks": [rank.as_dict() for rank in ranks],
@@ -293,7 +318,7 @@ def _column(facts: list[dict], key: str) -> list[float]:
     return [float(fact.get(key, math.nan)) for fact in facts]
 
 
-def _row(method: str, runs: list[Path], facts: list[dict], reference: list[dict], chosen: dict) -> dict:
+def _row(method: str, runs: list[Path], facts: list[dict], versus: PairedTest, chosen: dict) -> dict:
     _, resolved = read_run_config(runs[0])
     row = {
         "method": method,
@@ -307,7 +332,7 @@ def _row(method: str, runs: list[Path], facts: list[dict], reference: list[dict]
         values = _column(facts, metric.key)
         if not all(math.isnan(value) for value in values):
             row[metric.key] = {"seeds": values, **over_seeds(values).as_dict()}
-    row["vs_reference"] = paired_difference(_column(facts, PRIMARY.key), _column(reference, PRIMARY.key)).as_dict()
+    row["vs_reference"] = versus.as_dict()
     row["cost"] = {  # per run, mean over seeds
         key: float(np.mean([fact["cost"][key] for fact in facts]))
         for key in facts[0]["cost"]
@@ -321,7 +346,10 @@ def _row(method: str, runs: list[Path], facts: list[dict], reference: list[dict]
 
 def _ranked(row: dict) -> RankedScore:
     entry = row[PRIMARY.key]
-    return RankedScore(row["method"], row["rank"], entry["mean"], entry["low"], entry["high"])
+    low, high = entry["low"], entry["high"]  # within [0, 100], as the table shows them
+    low = None if low is None else max(low, 0.0)
+    high = None if high is None else min(high, 100.0)
+    return RankedScore(row["method"], row["rank"], entry["mean"], low, high)
 
 
 def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str | None) -> dict:
@@ -366,8 +394,8 @@ def _score(entry: dict | None, interval: bool = False) -> str:
     text = _number(entry["mean"])
     if entry["std"] is not None:
         text += f" ± {_number(entry['std'])}"
-        if interval:
-            text += f" [{_number(entry['low'])}, {_number(entry['high'])}]"
+        if interval:  # a score is a percentage: the t interval of few seeds can reach past either end
+            text += f" [{_number(max(entry['low'], 0.0))}, {_number(min(entry['high'], 100.0))}]"
     return text
 
 
@@ -382,6 +410,8 @@ def _difference(row: dict, reference: str) -> str:
     if test["p_value"] is None:
         return f"{text} (one seed: no test)"
     text += f" [{test['low']:+.2f}, {test['high']:+.2f}] p={test['p_value']:.3g}"
+    if test["p_holm"] is not None:
+        text += f", Holm {test['p_holm']:.3g}"
     return text if test["significant"] else f"{text} n.s."
 
 
@@ -436,9 +466,10 @@ def _title(result: dict) -> str:
     rows = result["rows"]
     metric = METRIC_LABELS[rows[0]["metric"]] if rows else METRIC_LABELS["accuracy"]  # one dataset: one metric
     tuned = f"each tuned with {counted(result['tune'], 'trial')} on validation splits" if result["tune"] else "untuned"
+    test = result.get("test", TEST_LABELS["t"])
     return (
-        f"Personalized models, {metric} % (mean ± std over {counted(len(result['seeds']), 'seed')}; {tuned}); "
-        f"ranks tie where a paired t-test (p < {ALPHA}) does not separate methods"
+        f"Personalized models, {metric} % (mean ± std over {counted(len(result['seeds']), 'seed')}; {tuned}; "
+        f"intervals within [0, 100]); ranks tie where a {test} (Holm-adjusted p < {ALPHA}) does not separate methods"
     )
 
 

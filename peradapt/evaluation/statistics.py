@@ -63,6 +63,8 @@ class PairedTest:
     n: int
     test: str
     note: str | None = None
+    # Holm's adjusted p over the comparisons made together (`holm_adjusted`); `significant` is then p_holm < alpha
+    p_holm: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -196,6 +198,33 @@ def paired_difference(
     return PairedTest(mean, mean - half, mean + half, p, bool(p < alpha), n, label)
 
 
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of m p-values tested together (Holm 1979), in their order; None (no test) stays
+    None and does not count in m. With the defined p sorted ascending, p_(1) <= ... <= p_(m):
+
+        adjusted p_(i) = max over j <= i of min(1, (m - j + 1) p_(j))
+
+    and a hypothesis is rejected at level alpha where its adjusted p is below alpha: the family-wise error rate
+    stays at alpha whatever the dependence between the tests."""
+    defined = sorted((p, index) for index, p in enumerate(p_values) if p is not None)
+    m = len(defined)
+    adjusted: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, index) in enumerate(defined):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[index] = running
+    return adjusted
+
+
+def holm_adjusted(tests: Sequence[PairedTest], alpha: float = ALPHA) -> list[PairedTest]:
+    """`tests` made together, each with its Holm-adjusted p (`holm`) and significant by it."""
+    adjusted = holm([test.p_value for test in tests])
+    return [
+        dataclasses.replace(test, p_holm=p, significant=p is not None and p < alpha)
+        for test, p in zip(tests, adjusted, strict=True)
+    ]
+
+
 def tied_ranks(
     values: Mapping[str, Sequence[float]],
     alpha: float = ALPHA,
@@ -208,21 +237,22 @@ def tied_ranks(
 
         rank_i = 1 + #{ j : mean(a_j − a_i) > 0 and p(j, i) < alpha }
 
-    that is, one plus the number of methods significantly better than i. Methods that the test cannot separate
-    share a rank ("2=" in the table) rather than being ordered by a difference that may be noise. Not being
-    significantly different is not transitive, so e.g. A ≈ B, B ≈ C but A > C gives A 1=, B 1=, C 2. No correction
-    for multiple comparisons is made (few methods; each pair is read on its own).
+    that is, one plus the number of methods significantly better than i, where p(j, i) is Holm's adjusted p over
+    all the k(k − 1)/2 pairs (`holm`): with many methods and few seeds, chance alone makes some raw p small (45
+    pairs at p < 0.05 each would find two or three by chance). Methods that the test cannot separate share a rank
+    ("2=" in the table) rather than being ordered by a difference that may be noise. Not being significantly
+    different is not transitive, so e.g. A ≈ B, B ≈ C but A > C gives A 1=, B 1=, C 2.
 
     Returns one Rank per method, best first (by rank, then by mean, then in the order given).
     """
     names = list(values)
     better = dict.fromkeys(names, 0)
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
-            result = paired_difference(values[first], values[second], alpha, test=test)
-            if result.significant and result.mean_difference is not None:
-                # mean_difference is first − second: positive means `first` is the better one.
-                better[second if result.mean_difference > 0 else first] += 1
+    pairs = [(first, second) for i, first in enumerate(names) for second in names[i + 1 :]]
+    tests = [paired_difference(values[first], values[second], alpha, test=test) for first, second in pairs]
+    for (first, second), result in zip(pairs, holm_adjusted(tests, alpha), strict=True):
+        if result.significant and result.mean_difference is not None:
+            # mean_difference is first − second: positive means `first` is the better one.
+            better[second if result.mean_difference > 0 else first] += 1
     rank = {name: 1 + better[name] for name in names}
     counts: dict[int, int] = {}
     for r in rank.values():
