@@ -74,6 +74,11 @@ MAX_RETRIES = 3  # a trial whose workers died this often is left failed: another
 UNSCORED = ("out", "device", "offline", "log", "concurrent_clients", "gpu_memory_fraction", "eval_every")
 RUN_DIR = "run_dir"  # a trial's user attribute: its run directory, relative to the study's (a retry keeps it)
 WORKER = "worker"  # a trial's user attribute: "host:pid:trial number" of the worker running it
+# Trials of equal best score: the one numbered first (asked first) is the best; the others are listed as tied_with
+TIE_RULE = "of trials with the same best score, the lowest-numbered (the first asked)"
+# The seed of every trial (its partition, sampling and draws): none of compare's final seeds 0..N-1 (N < 1000), so
+# that the final runs are scored on partitions the tuning never saw
+TUNING_SEED = 1000
 SURPLUS = "surplus"  # a trial's user attribute: asked beyond the N trials, failed at once
 DIVERGED = "diverged"  # a trial's user attribute: the message of a training that diverged (the trial is pruned)
 SCHEMES = "sqlite:///FILE, postgresql://USER:PASSWORD@HOST/DB, mysql://USER:PASSWORD@HOST/DB or journal:FILE"
@@ -132,7 +137,7 @@ def tune(
                 load_if_exists=True,
             )
             if sampler is None:
-                study.sampler = _sampler(base.seed, len(study.trials), shared=storage is not None)
+                study.sampler = _sampler(base.seed, len(study.trials), study_name, shared=storage is not None)
             objective = _Objective(study, base, space, fixed, trials, directory, console)
             journal = isinstance(opened, optuna.storages.JournalStorage)
             _work(study, objective, trials, journal=journal, poll_s=heartbeat_s, console=console)
@@ -224,10 +229,13 @@ def _opened_while_others_create_tables(opened: Callable[[], Any], exc: Any, pati
             time.sleep(random.uniform(0.05, 0.25))  # apart, so that the retries themselves do not race again
 
 
-def _sampler(seed: int, trials_held: int, *, shared: bool) -> optuna.samplers.BaseSampler:
-    """TPE, its random stream drawn from (--seed, the trials the study holds, TUNING) unless the study is `shared`
-    by workers, which would then all propose the same values."""
-    return _optuna().samplers.TPESampler(seed=None if shared else derive_seed(seed, trials_held, TUNING))
+def _sampler(seed: int, trials_held: int, study: str, *, shared: bool) -> optuna.samplers.BaseSampler:
+    """TPE, its random stream drawn from (--seed, the trials the study holds, the study's name, TUNING) unless the
+    study is `shared` by workers, which would then all propose the same values. The study's name (the method and
+    its fixed settings) keeps methods apart: TPE's first trials are random draws, and without it every method
+    tuning the same settings would draw the same values."""
+    name = int(hashlib.sha256(study.encode()).hexdigest()[:8], 16)
+    return _optuna().samplers.TPESampler(seed=None if shared else derive_seed(seed, trials_held, name, TUNING))
 
 
 def _retry() -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
@@ -415,11 +423,15 @@ def _result(study: optuna.Study, method: str, space: dict, directory: Path) -> d
             entry[DIVERGED] = trial.user_attrs[DIVERGED]
         listed.append(entry)
     completed = [trial for trial in listed if trial["state"] == "COMPLETE"]
+    best = max(completed, key=lambda trial: trial["value"], default=None)  # the first of equals: TIE_RULE
+    tied = [t["number"] for t in completed if best is not None and t is not best and t["value"] == best["value"]]
     return {
         "method": method,
         "study": study.study_name,
         "searched": {key: declared.search.text() for key, declared in space.items()},
-        **_best(max(completed, key=lambda trial: trial["value"], default=None)),
+        **_best(best),
+        "tie_rule": TIE_RULE,
+        "tied_with": tied,
         "trials": listed,
     }
 

@@ -154,6 +154,7 @@ def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmni
         (compare_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "cannot be reached"),
         (compare_args(fmnist_dir, out, "--tune", "1", "--storage", "nosuchdb://here/x"), "nosuchdb://here/x"),
         (compare_args(fmnist_dir, out, "--test", "anova"), "unknown --test 'anova': use t or wilcoxon"),
+        (compare_args(fmnist_dir, out, "--seeds", "1001"), "--seeds must be below 1000"),
     ]
     for args, needle in cases:
         expect_user_error(args, capsys, monkeypatch, needle)
@@ -200,8 +201,10 @@ def test_tuning_reads_no_test_image_before_the_final_runs(
     assert len(tuning["trials"]) == 2 and tuning["best_params"]
     final = read_run_config(out / "perada-nokd-seed0")[0].to_flat()
     assert {key: final[key] for key in tuning["best_params"]} == tuning["best_params"]  # the final run takes the best
-    for trial in tuning["trials"]:  # every trial scored on validation splits
-        assert read(Path(trial["run_dir"]) / "config.json")["config"]["data"]["eval_split"] == "validation"
+    for trial in tuning["trials"]:  # every trial scored on validation splits, of a partition no final run scores
+        saved = read(Path(trial["run_dir"]) / "config.json")["config"]
+        assert saved["data"]["eval_split"] == "validation" and saved["seed"] == result["tuning_seed"]
+    assert result["tuning_seed"] not in result["seeds"] and result["tuning_tie_rule"]
     assert result["rows"][0]["tuned"] == tuning["best_params"]
 
 

@@ -330,3 +330,26 @@ def test_workers_opening_a_fresh_sqlite_storage_together_all_open_it(tmp_path):
             barrier = manager.Barrier(8)
             errors = pool.starmap(_open_at_once, [(url, tmp_path, barrier)] * 8)
             assert errors == [""] * 8
+
+
+def test_of_trials_with_the_same_best_score_the_first_wins_and_the_others_are_named(tmp_path):
+    study = optuna.create_study(direction="maximize")
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
+    for value, chosen in ((0.5, 0.01), (0.7, 0.02), (0.7, 0.03), (0.6, 0.04)):
+        study.add_trial(optuna.trial.create_trial(params={"lr": chosen}, distributions={"lr": lr}, value=value))
+    result = tuning._result(study, "ditto", {}, tmp_path)
+    assert (result["best_trial"], result["best_params"], result["tied_with"]) == (1, {"lr": 0.02}, [2])
+    assert result["tie_rule"] == tuning.TIE_RULE
+
+
+def test_methods_draw_their_own_first_trials():
+    """TPE's first trials are random: each study's stream comes from its name too, so two methods tuning the same
+    setting from the same --seed do not draw the same values."""
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
+
+    def first_draw(study_name: str) -> float:
+        study = optuna.create_study(direction="maximize", sampler=tuning._sampler(0, 0, study_name, shared=False))
+        return study.ask({"lr": lr}).params["lr"]
+
+    assert first_draw("fedavg-abc") == first_draw("fedavg-abc")
+    assert first_draw("fedavg-abc") != first_draw("ditto-abc")

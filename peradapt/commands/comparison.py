@@ -53,7 +53,7 @@ from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.training import train
-from peradapt.tuning import tune
+from peradapt.tuning import TIE_RULE, TUNING_SEED, tune
 
 ANCHORS = ("standalone", "fedavg-ft")  # Local training alone and FedAvg + fine-tuning: what any pFL method must beat
 DEFAULT_REFERENCE = "perada"
@@ -130,12 +130,22 @@ def compare(
     reference = _reference(reference, methods)
     if not seeds:
         raise ConfigError("--seeds must be at least 1")
+    if max(seeds) >= TUNING_SEED:
+        raise ConfigError(f"--seeds must be below {TUNING_SEED}: seed {TUNING_SEED} is the trials' partition")
     settings = _with_holdout(settings, methods[0], console)
     if settings.get("budget") is not None:
         _check_budget(settings, methods, seeds[0])
     tuning = (
         {
-            method: tune(method, settings, trials=tune_trials, out=out, storage=storage, console=console)
+            # on a partition of their own: TUNING_SEED is none of the final seeds
+            method: tune(
+                method,
+                {**settings, "seed": TUNING_SEED},
+                trials=tune_trials,
+                out=out,
+                storage=storage,
+                console=console,
+            )
             for method in methods
         }
         if tune_trials
@@ -171,6 +181,8 @@ def compare(
         "test": TEST_LABELS[test],
         "correction": "Holm, over each method against the reference, and over all pairs for the ranks",
         "tune": tune_trials,
+        "tuning_seed": TUNING_SEED if tune_trials else None,
+        "tuning_tie_rule": TIE_RULE if tune_trials else None,
         "rows": rows,
         "ranks": [rank.as_dict() for rank in ranks],
         "tuning": tuning,
