@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,7 +338,9 @@ def test_of_trials_with_the_same_best_score_the_first_wins_and_the_others_are_na
     lr = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
     for value, chosen in ((0.5, 0.01), (0.7, 0.02), (0.7, 0.03), (0.6, 0.04)):
         study.add_trial(optuna.trial.create_trial(params={"lr": chosen}, distributions={"lr": lr}, value=value))
-    result = tuning._result(study, "ditto", {}, tmp_path)
+    with warnings.catch_warnings():  # as `tune` calls it: Optuna's retry look-up is marked experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        result = tuning._result(study, "ditto", {}, tmp_path)
     assert (result["best_trial"], result["best_params"], result["tied_with"]) == (1, {"lr": 0.02}, [2])
     assert result["tie_rule"] == tuning.TIE_RULE
 
