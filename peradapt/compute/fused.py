@@ -20,8 +20,12 @@ backward pass of that sum gives each client the gradient of its own mean loss. C
 `vmap(grad(...))` (peradapt.compute.concurrent's general path), no operation goes through vmap's batching rules:
 the step is the same few hundred kernels as one client's, each K times larger, which is what a GPU needs.
 
+A padded step (`weights` [K, B] of 1 and 0: `ConcurrentSGD._padded_step`, which keeps every lane in every step so
+that one captured CUDA graph serves uneven clients) gives each client the loss and the BatchNorm statistics of its
+own rows alone, as if it stepped alone on them; a client without rows (done) moves no running statistic.
+
 `fusable` says whether a model can be served so: every module holding per-client state must be one of the kinds
-above. Others (a partial model's full convolutions) take the `vmap` path.
+above. Others (a partial model's full convolutions, LoRA's 3×3 factors on a ResNet) take the `vmap` path.
 """
 
 from __future__ import annotations
