@@ -425,6 +425,26 @@ def engine_overhead(settings: Settings) -> dict:
 # ---------------------------------------------------------------- concurrent clients
 
 
+def one_after_another(method: LocalSGDMethod, clients: list[ClientData]) -> Callable[[], None]:
+    """A round's client side, one client after another (`client_update`), from the method's initial state."""
+
+    def run() -> None:
+        for client in clients:
+            method.client_update(client, method.context.initial, derive_seed(0, 0, client.client_id))
+
+    return run
+
+
+def together(concurrent: ConcurrentSGD, method: LocalSGDMethod, clients: list[ClientData]) -> Callable[[], None]:
+    """The same client side, the clients trained at once by `concurrent`."""
+
+    def run() -> None:
+        initial = method.context.initial
+        concurrent.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
+
+    return run
+
+
 def concurrent_vs_sequential(settings: Settings) -> dict:
     """The client side of a PerAda round (8 clients, each its personal then its local epochs) with the clients
     trained together (`--concurrent-clients 8`: `ConcurrentSGD`, by its fused step; on a GPU also without CUDA
@@ -432,25 +452,17 @@ def concurrent_vs_sequential(settings: Settings) -> dict:
     (`fused_step_vs_inference`): the 8 clients' steps of batch 64 at once against inference of the plain backbone
     on batches of 8 x 64 images."""
     method, clients = perada_round(settings)
-    initial = method.context.initial
     assert isinstance(method, LocalSGDMethod)
     gpu = settings.device == "cuda"
     fused, by_vmap = ConcurrentSGD(method.trainer), ConcurrentSGD(method.trainer, fused=False)
     assert fused.fused is not None, "the bench's model is one the fused step serves"
-
-    def one_after_another() -> None:
-        for client in clients:
-            method.client_update(client, initial, derive_seed(0, 0, client.client_id))
-
-    def together(concurrent: ConcurrentSGD) -> Callable[[], None]:
-        def run() -> None:
-            concurrent.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
-
-        return run
-
-    candidates = {"sequential": one_after_another, "fused": together(fused), "vmap": together(by_vmap)}
+    candidates = {
+        "sequential": one_after_another(method, clients),
+        "fused": together(fused, method, clients),
+        "vmap": together(by_vmap, method, clients),
+    }
     if gpu:
-        candidates["fused_eager"] = together(ConcurrentSGD(method.trainer, graphs=False))
+        candidates["fused_eager"] = together(ConcurrentSGD(method.trainer, graphs=False), method, clients)
     times = interleaved(candidates, settings.round_repeats)
     images = len(clients) * 2 * settings.round_epochs * settings.client_images
     results = {
@@ -473,16 +485,11 @@ def many_small_clients(settings: Settings) -> dict:
     small = replace(settings, round_clients=settings.small_clients, client_images=settings.small_client_images)
     method, clients = perada_round(small)
     assert isinstance(method, LocalSGDMethod)
-    initial, fused = method.context.initial, ConcurrentSGD(method.trainer)
-
-    def one_after_another() -> None:
-        for client in clients:
-            method.client_update(client, initial, derive_seed(0, 0, client.client_id))
-
-    def together() -> None:
-        fused.run_steps([method.client_steps(c, initial, derive_seed(0, 0, c.client_id)) for c in clients])
-
-    times = interleaved({"sequential": one_after_another, "fused": together}, settings.small_repeats)
+    candidates = {
+        "sequential": one_after_another(method, clients),
+        "fused": together(ConcurrentSGD(method.trainer), method, clients),
+    }
+    times = interleaved(candidates, settings.small_repeats)
     return {
         "concurrent_vs_sequential_32": median_ratio(times["sequential"], times["fused"]),
         "concurrent_32_clients": f"{len(clients)} clients x {settings.small_client_images} images",
@@ -626,7 +633,7 @@ def estimate(settings: Settings) -> dict:
     concurrent = ConcurrentSGD(trainer)
     others = [perturbed(model, seed=20 + k) for k in range(fed.clients_per_round)]
 
-    def together(proximal: bool) -> Callable[[], None]:
+    def sgd_together(proximal: bool) -> Callable[[], None]:
         """A step of the round's clients at once (--concurrent-clients auto on a GPU trains them so)."""
         jobs = [
             SGDJob(s, data, 1, method.lr, seed=k, anchor=anchor if proximal else None, lam=method.lam)
@@ -640,7 +647,7 @@ def estimate(settings: Settings) -> dict:
 
     candidates = {"personal": sgd(True), "local": sgd(False)}
     if gpu:
-        candidates |= {"personal_together": together(True), "local_together": together(False)}
+        candidates |= {"personal_together": sgd_together(True), "local_together": sgd_together(False)}
     steps = interleaved(candidates, settings.repeats)
     personal_s = statistics.median(steps["personal"]) / settings.step_batches
     local_s = statistics.median(steps["local"]) / settings.step_batches

@@ -333,7 +333,8 @@ class ConcurrentSGD:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """`_inputs` of every lane, each padded to the step's widest batch: a lane whose batch is shorter (the end of
         its epoch), or that is done, fills its rows with the pool's first image, unaugmented, of weight 0. The
-        images and labels [K, width, ...], the weights [K, width] (1: a lane's own image), each lane's count."""
+        images and labels [K, width, ...], the weights [K, width] on the host (1: a lane's own image), each lane's
+        count."""
         images = pooled[0]
         width = max(len(rows) for rows, _ in drawn.values())
         size = tuple(images.shape[2:])
@@ -341,17 +342,24 @@ class ConcurrentSGD:
         for lane in range(lanes):
             rows, draws = drawn.get(lane, (torch.zeros(0, dtype=torch.int64), None))
             missing = width - len(rows)
-            neutral = self.trainer.inputs.neutral(missing, size)
-            if neutral is not None and draws is not None:
-                draws = tuple(torch.cat(pair) for pair in zip(draws, neutral, strict=True))
-            padded.append((torch.cat([rows, rows.new_zeros(missing)]), draws if draws is not None else neutral))
-            weights[lane, : len(rows)] = 1
-            counts.append(len(rows))
+            if missing:
+                neutral = self.trainer.inputs.neutral(missing, size)
+                if neutral is not None:
+                    draws = neutral if draws is None else tuple(map(torch.cat, zip(draws, neutral, strict=True)))
+                rows = torch.cat([rows, rows.new_zeros(missing)])
+            padded.append((rows, draws))
+            weights[lane, : width - missing] = 1
+            counts.append(width - missing)
         inputs, labels = self._inputs(pooled, padded)
-        return inputs, labels, weights.to(images.device, non_blocking=True), counts
+        return inputs, labels, weights, counts
 
     def _padded_step(
-        self, together: _Together, images: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, counts: list[int]
+        self,
+        together: _Together,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        counts: list[int],
     ) -> None:
         """One SGD step of every lane on its padded batch (`_padded_inputs`), replayed from a captured step
         (`_replayed`): each lane as if it stepped alone on its own images, and a lane without any (done) does not
@@ -361,7 +369,8 @@ class ConcurrentSGD:
         padded = any(count != images.shape[1] for count in counts)
         generators = [lane.dropout for lane in lanes]
         masks = self._masks(images[0], generators, together.generator, counts if padded else None)
-        losses = self._replayed(together.rule, masks, images, labels, weights if padded else None)
+        on_device = weights.to(images.device, non_blocking=True) if padded else None  # a whole step needs none
+        losses = self._replayed(together.rule, masks, images, labels, on_device)
         for lane, count, loss in zip(lanes, counts, losses, strict=True):
             if count:
                 lane.losses.append(loss)
@@ -612,8 +621,7 @@ class ConcurrentSGD:
         allowed = int(0.9 * fraction * total) - torch.cuda.memory_allocated(device)
         if self.graphs:
             allowed //= 2
-        together = min(clients_that_fit(one, two, allowed), len(datasets))
-        return together, two - one if two > one else two // 2
+        return min(clients_that_fit(one, two, allowed), len(datasets)), _per_client_bytes(one, two)
 
     def peak_step_bytes(self, example: ImageSet, clients: int) -> int:
         """The device memory one step of `clients` clients on minibatches of `example`'s images takes at its peak
@@ -740,6 +748,11 @@ def clients_that_fit(one: int, two: int, allowed: int) -> int:
     """How many clients' steps fit in `allowed` bytes, from the peak bytes of a step of one client (`one`) and of
     two (`two`): a step of K clients takes a fixed part plus K times each client's part. Where two clients measure
     no more than one (an allocator that rounds blocks up), each client is taken to need half of two's step."""
-    per_client = two - one if two > one else max(two // 2, 1)
+    per_client = _per_client_bytes(one, two)
     fixed = max(one - per_client, 0)
     return max(1, (allowed - fixed) // per_client)
+
+
+def _per_client_bytes(one: int, two: int) -> int:
+    """Each client's part of a step, from a step of one client and of two (see `clients_that_fit`)."""
+    return two - one if two > one else max(two // 2, 1)

@@ -70,18 +70,21 @@ def _stacked(tensor: torch.Tensor, clients: int, shape: tuple[int, ...]) -> torc
     return tensor.unsqueeze(0).expand(clients, *shape)
 
 
-def _linear(module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor) -> torch.Tensor:
-    """y_k = x_k W_kᵀ + b_k for each client k, one batched product."""
-    out_features, in_features = module.weight.shape  # type: ignore[union-attr]
-    weight = _stacked(tensors["weight"], clients, (out_features, in_features))
-    rows = x.reshape(clients, -1, in_features)
-    bias = tensors.get("bias")
+def _products(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, clients: int) -> torch.Tensor:
+    """y_k = x_k W_kᵀ + b_k for each client k, one batched product: `rows` [K, N, in], `weight` [K, out, in] or
+    shared [out, in], `bias` likewise [K, out], [out] or None; [K, N, out]."""
+    out_features, in_features = weight.shape[-2:]
+    weights = _stacked(weight, clients, (out_features, in_features)).transpose(1, 2).to(rows.dtype)
     if bias is None:
-        y = torch.bmm(rows, weight.transpose(1, 2).to(rows.dtype))
-    else:
-        bias = _stacked(bias, clients, (out_features,)).unsqueeze(1)
-        y = torch.baddbmm(bias.to(rows.dtype), rows, weight.transpose(1, 2).to(rows.dtype))
-    return y.reshape(*x.shape[:-1], out_features)
+        return torch.bmm(rows, weights)
+    return torch.baddbmm(_stacked(bias, clients, (out_features,)).unsqueeze(1).to(rows.dtype), rows, weights)
+
+
+def _linear(module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer per client, over the last axis of `x`."""
+    rows = x.reshape(clients, -1, x.shape[-1])
+    y = _products(rows, tensors["weight"], tensors.get("bias"), clients)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _channels_as_rows(x: torch.Tensor, clients: int) -> torch.Tensor:
@@ -97,13 +100,8 @@ def _rows_as_channels(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _pointwise_conv(module: nn.Module, tensors: dict[str, torch.Tensor], clients: int, x: torch.Tensor) -> torch.Tensor:
     """A 1×1 convolution per client: the matrix product over channels, as `ChannelProjection.channel_product`."""
-    out_channels, in_channels = module.weight.shape[:2]  # type: ignore[union-attr]
-    weight = _stacked(tensors["weight"].flatten(-3), clients, (out_channels, in_channels))
     rows = _channels_as_rows(x, clients)
-    y = torch.bmm(rows, weight.transpose(1, 2).to(rows.dtype))
-    if tensors.get("bias") is not None:
-        y = y + _stacked(tensors["bias"], clients, (out_channels,)).unsqueeze(1).to(y.dtype)
-    return _rows_as_channels(y, x)
+    return _rows_as_channels(_products(rows, tensors["weight"].flatten(-3), tensors.get("bias"), clients), x)
 
 
 def _batch_norm(
