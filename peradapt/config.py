@@ -458,12 +458,36 @@ class FederationConfig:
 
     budget: str | None = setting(
         None,
-        help="Stop once the clients have done this much work, checked after each round (--rounds stays the "
-        "most): client-samples:N, the training images their SGD steps processed, summed over clients and rounds. "
-        "Compares methods at equal client compute (e.g. those that train every client each round).",
+        help="Stop once the clients have done this much work (--rounds stays the most): client-samples:N, the "
+        "training images their SGD steps processed, summed over clients and rounds, with the personalization "
+        "the method trains when it hands out the clients' models (fedavg-ft's fine-tuning), set aside first. The "
+        "last round's clients each do the same share of their work, what is left: N is met to within a sample "
+        "per SGD job. Compares methods at equal client compute (e.g. those that train every client each round).",
         group=FEDERATION,
         metavar="KIND:N",
         check=parse_budget,
+    )
+
+    participation: float = setting(
+        1.0,
+        help="System heterogeneity: each client a round trains answers with probability P (drawn per round and "
+        "client from --seed); the round goes on with those that do, and a round without any keeps the global "
+        "model. 1: all answer.",
+        group=FEDERATION,
+        minimum=0.0,
+        maximum=1.0,
+        exclusive_minimum=True,
+        metavar="P",
+    )
+    stragglers: float = setting(
+        0.0,
+        help="System heterogeneity: a fraction F of each round's trained clients are stragglers, each completing "
+        "a share of its local work drawn uniformly in [0, 1) (its first minibatches; the FedProx paper's "
+        "experiments), drawn from --seed. Not with --dp-noise.",
+        group=FEDERATION,
+        minimum=0.0,
+        maximum=1.0,
+        metavar="F",
     )
 
     def store_kind(self) -> str:
@@ -878,6 +902,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--kd-mode train normalizes each distillation batch by its own statistics: --kd-batch-size must be "
                 f"at least {MIN_BATCH_SIZE}, got {distill.kd_batch_size}"
+            )
+        if self.privacy.enabled and fed.stragglers > 0:
+            raise ConfigError(
+                "--stragglers cuts clients' minibatch schedules, which DP-SGD's Poisson-sampled batches do not "
+                "have: drop --stragglers or --dp-noise"
             )
         if self.privacy.enabled and self.method.frozen_bn == "train":
             raise ConfigError(

@@ -570,10 +570,19 @@ def test_a_partial_model_trains_its_parts_at_their_rates_concurrently(fmnist_dir
     assert_same_rounds("fedsim", alone, together)
 
 
-def assert_same_rounds(method: str, alone, together) -> None:
+@pytest.mark.parametrize("method", ["perada", "fedala"])
+def test_clients_doing_part_of_their_work_give_the_same_rounds_concurrently(method, fmnist_dir, home):
+    """Stragglers and a --budget's last round: clients 0 and 3 do 40% and 75% of their work, alone as together
+    (with FedALA, what the client trains itself between its jobs too)."""
+    alone, together = (tiny_session(fmnist_dir, method, k) for k in (1, 2))
+    assert_same_rounds(method, alone, together, shares={0: 0.4, 3: 0.75})
+
+
+def assert_same_rounds(method: str, alone, together, shares: dict[int, float] | None = None) -> None:
     """Two rounds of 3 sampled clients out of 4 through the builtin engine's clients of the sessions `alone` (one
     after another) and `together` (2 at once: a group of 2, then one of 1), compared as
-    `test_every_local_sgd_method_gives_the_same_rounds_concurrently` says."""
+    `test_every_local_sgd_method_gives_the_same_rounds_concurrently` says; each client doing its share of its work
+    (`shares`; all of it where not there): the same samples either way, fewer than all for a client with a share."""
     assert_states_close(together.initial, alone.initial)
     sessions = {"alone": alone, "together": together}
     clients = {way: LocalClients(session, Console(quiet=True)) for way, session in sessions.items()}
@@ -584,10 +593,13 @@ def assert_same_rounds(method: str, alone, together) -> None:
         for way, session in sessions.items():
             payloads = {c: session.method.payload(c, global_state) for c in sampled}
             finished: list[int] = []
-            updates[way] = clients[way].train(round_index, sampled, payloads, finished.append)
+            updates[way] = clients[way].train(round_index, sampled, payloads, finished.append, shares or {})
             assert sorted(finished) == sampled  # the progress bar advances once per client, told which
         for update, expected in zip(updates["together"], updates["alone"], strict=True):
             assert update.client_id == expected.client_id
+            assert update.work.samples == expected.work.samples
+            if update.client_id in (shares or {}):  # at most what the method's client update can process
+                assert update.work.samples < alone.method.client_samples_bound(alone.data.clients[update.client_id])
             assert_states_close(update.upload, expected.upload)
             assert update.metrics == pytest.approx(expected.metrics, rel=1e-4)
         seed = derive_seed(0, round_index, SERVER)

@@ -12,7 +12,14 @@ import torch
 from PIL import Image
 from torch import nn
 
-from peradapt.compute.costs import peak_memory, sgd_samples, state_bytes, training_flops
+from peradapt.compute.costs import (
+    inference_flops,
+    peak_memory,
+    sgd_samples,
+    shared_sizes,
+    state_bytes,
+    training_flops,
+)
 from peradapt.evaluation.plots import plot_accuracy_vs_cost
 from peradapt.federation.session import build_session
 from peradapt.federation.tracking import numeric
@@ -21,7 +28,7 @@ from peradapt.rundir.layout import read_partition, read_run_config
 from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, tiny_args
 
 ROUNDS = 2
-METHODS = ("perada", "fedrep", "apfl", "pfedme", "fedavg")
+METHODS = ("perada", "fedrep", "apfl", "pfedme", "fedavg", "fedavg-ft")
 
 
 def records(run: Path) -> list[dict]:
@@ -134,9 +141,11 @@ def test_client_samples_are_the_hand_count_and_the_bound_is_exact(runs, home):
 def test_the_flops_per_sample_do_not_depend_on_what_ran_before(runs, home):
     session = session_of(runs["perada"])  # its frozen small-map convolutions have built no dense matrix yet
     images = session.federated_clients[0].train.images[:1].repeat(2, 1, 1, 1)
-    first = session.trainer.training_flops(images)
-    assert session.trainer.training_flops(images) == first
-    assert first == report(runs["perada"])["cost"]["training_flops_per_sample"]
+    first = session.trainer.sample_flops(images)
+    assert session.trainer.sample_flops(images) == first
+    assert first.training == report(runs["perada"])["cost"]["training_flops_per_sample"]
+    assert first.inference == report(runs["perada"])["cost"]["inference_flops_per_sample"]
+    assert 0 < first.inference < first.training
 
 
 def test_clients_trained_together_count_the_same_work(runs):
@@ -181,15 +190,84 @@ def test_trackers_get_the_rounds_costs_and_timing_flattened():
 # ---------------------------------------------------------------- --budget client-samples:N
 
 
+def cut(size: int, batch_size: int, share: float) -> int:
+    """By hand: the samples one epoch of `size` samples in batches of `batch_size` trains at `share` of its work:
+    the first floor(share x size) samples, unless that leaves a cut batch of one sample (then one less)."""
+    allowed = int(share * size)
+    return allowed - 1 if allowed % batch_size == 1 and allowed < size else allowed
+
+
+def test_a_share_of_the_work_is_its_first_samples_in_the_same_batches():
+    # 10 samples in batches of 4: [4, 4, 2]; half: the first 5 samples, the last batch cut to 1, which is left out
+    assert shared_sizes([4, 4, 2], 0.5) == [4]
+    assert shared_sizes([4, 4, 2], 0.7) == [4, 3]
+    assert shared_sizes([4, 4, 2], 0.0) == []
+    assert shared_sizes([4, 4, 2], 1.0) == [4, 4, 2]
+    assert sgd_samples(10, 4, epochs=2, share=0.5) == 10  # [4, 4, 2, 4, 4, 2]: the first 10
+    assert sgd_samples(10, 4, epochs=1, steps=5, share=0.3) == 4  # [4, 4, 2, 4, 4]: the first 5 are [4, 1]: 4
+
+
+def test_a_share_trains_the_first_batches_of_the_whole_work(runs, home):
+    session = session_of(runs["fedavg"])
+    trainer = session.trainer
+    whole = [batch.tolist() for batch, _ in trainer.index_batches(70, epochs=2, seed=5)]
+    with trainer.sharing(0.6):
+        part = [batch.tolist() for batch, _ in trainer.index_batches(70, epochs=2, seed=5)]
+    assert sum(map(len, part)) == 84 and part[:-1] == whole[: len(part) - 1]
+    assert part[-1] == whole[len(part) - 1][: len(part[-1])]
+    assert trainer.work_share == 1.0  # after the block
+
+
+def test_inference_flops_of_a_linear_layer_are_the_hand_count():
+    assert inference_flops(nn.Linear(6, 5), torch.randn(3, 6)) == 2 * 6 * 5
+
+
+def test_distillation_is_counted_in_samples_and_flops(runs, home):
+    session = session_of(runs["perada"])
+    distiller = session.method.context.distiller
+    kd, val = len(distiller.kd_data), len(distiller.val_data)
+    cost = report(runs["perada"])["cost"]
+    for record in records(runs["perada"]):
+        # 4 Adam steps of batch 32; inference: the 2 teachers' logits once (kd-mode eval), the start and 4 checks
+        trained, inferred = 4 * min(32, kd), 2 * kd + 5 * val
+        assert record["cost"]["server_samples"] == trained
+        assert record["cost"]["server_flops"] == (
+            trained * cost["training_flops_per_sample"] + inferred * cost["inference_flops_per_sample"]
+        )
+    assert cost["server_flops"] == sum(r["cost"]["server_flops"] for r in records(runs["perada"])) > 0
+    assert all(r["cost"]["server_flops"] == 0 for r in records(runs["fedavg"]))
+
+
+def test_fine_tuning_at_evaluation_is_counted(runs, home):
+    session = session_of(runs["fedavg-ft"])
+    sizes = {client.client_id: len(client.train) for client in session.federated_clients}
+    cost = report(runs["fedavg-ft"])["cost"]
+    # one epoch of fine-tuning of every client's model after the rounds, and of the evaluated ones at round 2
+    assert cost["personalization_samples"] == sum(sizes.values())
+    assert cost["personalization_flops"] == sum(sizes.values()) * cost["training_flops_per_sample"]
+    evaluated = records(runs["fedavg-ft"])[1]
+    assert evaluated["cost"]["evaluation_samples"] == sum(sizes[c] for c in evaluated["per_client"]["clients"])
+    assert records(runs["fedavg-ft"])[0]["cost"]["evaluation_samples"] == 0  # --eval-every 2
+    assert report(runs["perada"])["cost"]["personalization_samples"] == 0  # hands out the stored v_m
+
+
+def test_the_samples_declared_for_personalization_are_those_trained(runs, home):
+    for name in ("fedavg-ft", "perada"):
+        session = session_of(runs[name])
+        for client in session.federated_clients:
+            before = session.trainer.samples_trained
+            session.method.personalized(client.client_id, session.initial)
+            assert session.trainer.samples_trained - before == session.method.personalization_samples(client)
+
+
 @pytest.fixture(scope="module")
 def budget(runs) -> int:
-    """A budget that fedavg's round 1 does not reach and round 2 does: the run stops after 2 of its 3 rounds."""
-    return records(runs["fedavg"])[0]["cost"]["client_samples"] + 1
+    """A budget that fedavg's round 1 does not reach and round 2 would pass halfway."""
+    full = records(runs["fedavg"])
+    return full[0]["cost"]["client_samples"] + full[1]["cost"]["client_samples"] // 2
 
 
-def test_the_budget_stops_the_run_after_the_round_that_reaches_it(
-    budget, tmp_path, fmnist_dir, capsys, monkeypatch, home
-):
+def test_the_last_round_of_a_budget_trains_what_is_left(budget, runs, tmp_path, fmnist_dir, capsys, monkeypatch, home):
     run = tmp_path / "budget"
     args = tiny_args(fmnist_dir, run, "--method", "fedavg", "--budget", f"client-samples:{budget}")  # --rounds 3
     code, out, err = run_cli(args, capsys, monkeypatch)
@@ -197,10 +275,16 @@ def test_the_budget_stops_the_run_after_the_round_that_reaches_it(
     assert "reached after round 2" in err
     assert [r["round"] for r in records(run)] == [1, 2]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-00002.safetensors"]
+    full, last = records(runs["fedavg"]), records(run)[1]
+    left = budget - full[0]["cost"]["client_samples"]
+    assert last["budget_share"] == pytest.approx(left / full[1]["cost"]["client_samples"])
+    # each client trains the first part of its epoch: the same share of its samples, the last batch cut short
+    assert last["client_samples"] == [cut(n, 32, last["budget_share"]) for n in full[1]["client_samples"]]
     finished = report(run)
+    spent = finished["cost"]["client_samples"]
+    assert budget * 0.99 <= spent <= budget  # within 1%
+    assert finished["cost"]["budget"] == {"client_samples": budget, "spent": spent, "reached": True}
     assert finished["rounds"] == 2 and "fedavg on fmnist, 4 clients, 2 rounds" in out
-    assert finished["cost"]["budget"] == {"client_samples": budget, "reached": True}
-    assert finished["cost"]["client_samples"] >= budget
     assert f"--budget client-samples:{budget} reached in 2 rounds" in out and "client training samples" in out
 
     # killed after the round that reached the budget, before report.json: --resume ends with the same files
@@ -215,6 +299,26 @@ def test_the_budget_stops_the_run_after_the_round_that_reaches_it(
     code, _, err = run_cli(tiny_args(fmnist_dir, crashed, "--resume"), capsys, monkeypatch)
     assert code == 0, err
     assert results(crashed) == results(run)
+
+
+def test_a_budget_sets_the_final_fine_tuning_aside(runs, tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    full = report(runs["fedavg-ft"])["cost"]
+    rounds = records(runs["fedavg-ft"])
+    limit = full["personalization_samples"] + rounds[0]["cost"]["client_samples"] + 40
+    run = tmp_path / "ft"
+    args = tiny_args(fmnist_dir, run, "--method", "fedavg-ft", "--budget", f"client-samples:{limit}")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    cost = report(run)["cost"]
+    spent = cost["client_samples"] + cost["personalization_samples"]
+    assert cost["budget"]["spent"] == spent and limit * 0.99 <= spent <= limit
+    assert cost["personalization_samples"] == full["personalization_samples"]
+    # what the final fine-tuning alone trains cannot be a budget
+    never = tmp_path / "never"
+    args = tiny_args(
+        fmnist_dir, never, "--method", "fedavg-ft", "--budget", f"client-samples:{full['personalization_samples']}"
+    )
+    expect_refusal(args, capsys, monkeypatch, "personalization of every client", "raise N", untouched=never)
 
 
 def test_a_budget_no_round_can_reach_is_refused_before_anything_is_written(

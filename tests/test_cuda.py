@@ -77,7 +77,8 @@ def test_a_gpu_run_resumed_after_a_crash_is_bit_identical_to_itself(tmp_path, fm
 def test_the_flops_of_a_training_step_are_the_cpus_under_bf16_autocast(tmp_path, fmnist_dir, home):
     cpu, gpu = tiny_session(fmnist_dir, tmp_path / "a", "cpu"), tiny_session(fmnist_dir, tmp_path / "b", DEVICE)
     images = cpu.data.clients[0].train.images[:2]
-    assert gpu.trainer.training_flops(images) == cpu.trainer.training_flops(images) > 0  # counted, not timed
+    flops = cpu.trainer.sample_flops(images)
+    assert gpu.trainer.sample_flops(images) == flops and flops.training > flops.inference > 0  # counted, not timed
 
 
 def test_dp_noise_on_the_gpu_is_seeded(tmp_path, fmnist_dir, vit_weights, capsys, monkeypatch, home):

@@ -59,6 +59,9 @@ def test_personalize_perada_new_client_records_before_and_after(holdout_run, cap
     assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0 and after != before
     assert f"{100 * before:.2f}%" in out and f"{100 * after:.2f}%" in out
     assert (exported / "adapter_config.json").is_file()
+    # its work, as a round's: --personal-epochs 1 of the proximal personal update over its training images
+    flops = json.loads((holdout_run / "report.json").read_text())["cost"]["training_flops_per_sample"]
+    assert result["cost"] == {"samples": result["train_samples"], "flops": result["train_samples"] * flops}
 
     session = open_run(holdout_run)
     personal = session.model.load_pretrained(exported)

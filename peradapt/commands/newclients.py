@@ -26,6 +26,7 @@ from peradapt.data.hfdata import load_hf
 from peradapt.data.ood import OodTarget, load_imagefolder, relabel
 from peradapt.errors import DataError, RunError
 from peradapt.evaluation import metric_name
+from peradapt.federation.engine import sample_flops
 from peradapt.federation.session import Session
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths
@@ -55,10 +56,12 @@ def personalize_new_client(run_dir: Path, spec: str, *, weights: Path | None = N
     global_state = ExportedAdapters.open(session, paths).global_state  # a damaged one: how to export it again
     trainer, config = session.trainer, session.config
     before = trainer.score(global_state, client.test)
+    trained = trainer.samples_trained
     with charged_to(trainer.privacy, session.store, client.client_id):  # a DP run personalizes with DP-SGD too
         personal = session.method.personalize_new_client(
             client, global_state, derive_seed(config.seed, client.client_id, NEW_CLIENT)
         )
+    samples = trainer.samples_trained - trained
     after = trainer.score(personal, client.test)
     out = paths.root / NEW_CLIENTS_DIR / name
     session.model.save_pretrained(out, personal)
@@ -72,6 +75,8 @@ def personalize_new_client(run_dir: Path, spec: str, *, weights: Path | None = N
         "before": {"model": "global", "local_test": before},
         "after": {"model": "personalized", "local_test": after},
         "adapter": str(out),
+        # the personalization's training work, counted as a round's (`peradapt.compute.costs`)
+        "cost": {"samples": samples, "flops": samples * sample_flops(session).training},
         **client_privacy(trainer.privacy, session.store, client.client_id),
     }
     write_json_atomic(out / "result.json", result)

@@ -217,20 +217,24 @@ class ConcurrentSGD:
         self,
         steps: Sequence[Generator[SGDJob, SGDResult, T]],
         on_finished: Callable[[int, int], None] | None = None,
+        shares: Sequence[float] | None = None,
     ) -> list[T]:
         """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
         trained together with the others' (`run`); what each returns, in their order, calling
         `on_finished(i, samples)` as the i-th one ends, with the training samples of its jobs (the minibatches
         `LocalTrainer.minibatches` draws for them: `sgd_samples`) and of what it trains itself between them (FedALA's
-        ALA, counted by `LocalTrainer.samples_trained`). `LocalTrainer.run_steps` drives one."""
+        ALA, counted by `LocalTrainer.samples_trained`). `LocalTrainer.run_steps` drives one. `shares`: the share of
+        its work each does (`LocalTrainer.work_share`; None: all)."""
         finished: dict[int, T] = {}
         pending: dict[int, SGDJob] = {}
         samples = [0] * len(steps)
+        shares = [1.0] * len(steps) if shares is None else shares
 
         def advance(index: int, result: SGDResult | None) -> None:
             before = self.trainer.samples_trained
             try:
-                pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
+                with self.trainer.sharing(shares[index]):  # what a client trains itself between jobs: its share
+                    pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
             except StopIteration as done:
                 finished[index] = done.value
             samples[index] += self.trainer.samples_trained - before  # trained by the client itself: FedALA's ALA
@@ -242,26 +246,29 @@ class ConcurrentSGD:
         while pending:
             jobs = dict(pending)
             pending.clear()
-            for index, result in zip(jobs, self.run(list(jobs.values())), strict=True):
+            job_shares = [shares[index] for index in jobs]
+            for index, result in zip(jobs, self.run(list(jobs.values()), job_shares), strict=True):
                 job = jobs[index]
                 samples[index] += sgd_samples(
-                    len(job.data), self.trainer.batch_size, epochs=job.epochs, steps=job.steps
+                    len(job.data), self.trainer.batch_size, epochs=job.epochs, steps=job.steps, share=shares[index]
                 )
                 advance(index, result)
         return [finished[index] for index in range(len(steps))]
 
-    def run(self, jobs: Sequence[SGDJob]) -> list[SGDResult]:
-        """The result of `LocalTrainer.run` for each job, in their order: the jobs that train the same parameters
-        together (`_run_together`)."""
+    def run(self, jobs: Sequence[SGDJob], shares: Sequence[float] | None = None) -> list[SGDResult]:
+        """The result of `LocalTrainer.run` for each job, in their order (each at its share of the work: `shares`,
+        None: all): the jobs that train the same parameters together (`_run_together`)."""
+        shares = [1.0] * len(jobs) if shares is None else shares
         alike: dict[tuple[str, ...], list[int]] = {}
         for index, job in enumerate(jobs):
             alike.setdefault(tuple(job.rates(self.parameter_names)), []).append(index)
         results: dict[int, SGDResult] = {}
         for indices in alike.values():
-            results.update(zip(indices, self._run_together([jobs[i] for i in indices]), strict=True))
+            together = self._run_together([jobs[i] for i in indices], [shares[i] for i in indices])
+            results.update(zip(indices, together, strict=True))
         return [results[index] for index in range(len(jobs))]
 
-    def _run_together(self, jobs: list[SGDJob]) -> list[SGDResult]:
+    def _run_together(self, jobs: list[SGDJob], shares: list[float]) -> list[SGDResult]:
         """`run` of jobs that all train the same parameters. Their images are pooled (on a GPU, resident there for
         the jobs), so that a step's inputs for all its lanes are one gather, one augmentation and one normalization
         (`_inputs`); each lane's batch and augmentation are drawn from its own generator, in `LocalTrainer.run`'s
@@ -274,11 +281,13 @@ class ConcurrentSGD:
         lanes = [
             _Lane(
                 job,
-                self.trainer.index_batches(len(job.data), epochs=job.epochs, seed=job.seed, steps=job.steps),
+                self.trainer.index_batches(
+                    len(job.data), epochs=job.epochs, seed=job.seed, steps=job.steps, share=share
+                ),
                 offset,
                 torch.Generator(device=device).manual_seed(job.seed),
             )
-            for job, offset in zip(jobs, offsets, strict=True)
+            for job, offset, share in zip(jobs, offsets, shares, strict=True)
         ]
         pooled = self._pooled([job.data for job in jobs])
         image_size = tuple(pooled[0].shape[2:])

@@ -7,9 +7,13 @@ Counted, not estimated, where counting is exact and cheap:
   pass (`LocalTrainer.samples_trained`): a minibatch that serves two gradients (APFL's w and mixed model,
   pFedMe's K inner steps) counts that many times. Clients trained together (`--concurrent-clients`) count the
   minibatches of their SGD jobs (`sgd_samples`, the same number);
-- FLOPs: `torch.utils.flop_counter.FlopCounterMode` over one forward and backward pass of the model, measured once
-  per run on two samples (`training_flops`), times the samples counted. Counting every step would slow every step
-  for a number that depends on shapes alone.
+- FLOPs: `torch.utils.flop_counter.FlopCounterMode` over one forward and backward pass of the model (one forward
+  pass for inference: `inference_flops`), measured once per run on two samples (`training_flops`), times the
+  samples counted. Counting every step would slow every step for a number that depends on shapes alone;
+- the server's distillation (`Distiller.samples_trained`, `samples_inferred`): the student's training samples and
+  the samples of its inference passes (teachers' logits, validation checks), priced the same way;
+- personalization outside the rounds: what a method trains when it hands out a client's model (fedavg-ft's
+  fine-tuning, `Method.personalization_samples`), and a new client's personalization.
 
 Seconds and peak memory differ from one run to the next of the same settings: the engine keeps them apart from
 the deterministic counts (under a round record's `timing`), so that a resumed run still ends with the very files of
@@ -19,6 +23,7 @@ an uninterrupted one but for them.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -39,20 +44,53 @@ class ClientWork:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class SampleFlops:
+    """FLOPs per sample of the run's model: a training step's forward and backward pass (`training_flops`) and an
+    inference pass (`inference_flops`)."""
+
+    training: int
+    inference: int
+
+
 def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
     """The bytes of the tensors of `state` (an adapter state, a payload, an upload)."""
     return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
 
 
-def sgd_samples(num_samples: int, batch_size: int, *, epochs: int, steps: int | None = None) -> int:
+def sgd_samples(num_samples: int, batch_size: int, *, epochs: int, steps: int | None = None, share: float = 1.0) -> int:
     """The training samples of `LocalTrainer.minibatches` on `num_samples` samples: `epochs` passes, or with `steps`
     that many minibatches, pass after pass (whose batch sizes `iterate_minibatches` sets, the last one possibly
-    joined to the one before)."""
-    if steps is None or num_samples == 0:
-        return epochs * num_samples if steps is None else 0
+    joined to the one before); with `share` below 1, the part of them a client doing that share of its work trains
+    (`shared_sizes`)."""
+    if share >= 1 and steps is None:
+        return epochs * num_samples
+    return sum(shared_sizes(schedule_sizes(num_samples, batch_size, epochs=epochs, steps=steps), share))
+
+
+def schedule_sizes(num_samples: int, batch_size: int, *, epochs: int, steps: int | None = None) -> list[int]:
+    """The sizes of the minibatches `LocalTrainer.index_batches` draws, in order (which samples they hold is
+    shuffled; their sizes are not)."""
+    if num_samples == 0:
+        return []
     sizes = [len(batch) for batch in iterate_minibatches(num_samples, batch_size, torch.Generator(), shuffle=False)]
-    passes, rest = divmod(steps, len(sizes))
-    return passes * num_samples + sum(sizes[:rest])
+    return [sizes[i % len(sizes)] for i in range(len(sizes) * epochs if steps is None else steps)]
+
+
+def shared_sizes(sizes: list[int], share: float) -> list[int]:
+    """The minibatch sizes of a client that does `share` (in [0, 1]) of a job whose minibatches have `sizes`: its
+    first floor(share x their samples) samples, in the same order, the last batch cut short; a cut batch of a
+    single sample is left out (a training BatchNorm cannot normalize one sample). All of them at a share of 1."""
+    if share >= 1:
+        return sizes
+    allowed, kept = math.floor(share * sum(sizes)), []
+    for size in sizes:
+        take = min(size, allowed)
+        if take == 0 or (take == 1 < size):
+            break
+        kept.append(take)
+        allowed -= take
+    return kept
 
 
 def training_flops(forward: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor, parameters: Iterable) -> int:
@@ -67,6 +105,14 @@ def training_flops(forward: Callable[[torch.Tensor], torch.Tensor], inputs: torc
     with FlopCounterMode(display=False) as counter:
         outputs = forward(inputs)
         torch.autograd.grad(outputs.float().sum(), parameters)
+    return counter.get_total_flops() // len(inputs)
+
+
+def inference_flops(forward: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> int:
+    """FLOPs per sample of one forward pass of `forward` on `inputs` without gradients (`training_flops`'s
+    counting)."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        forward(inputs)
     return counter.get_total_flops() // len(inputs)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peradapt.adapters import AdapterState
-from peradapt.compute.costs import training_flops
+from peradapt.compute.costs import SampleFlops, inference_flops, schedule_sizes, shared_sizes, training_flops
 from peradapt.compute.metrics import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
 from peradapt.data.batches import (
@@ -207,6 +207,9 @@ class LocalTrainer:
     # Samples through a training forward and backward pass in this process (`loss` and `descend` count them; a
     # caller reads the change over a client update: `peradapt.compute.costs`).
     samples_trained: int = field(default=0, init=False)
+    # The share of its local work the client being trained does (`sharing`): a straggler's, or its part of what is
+    # left of a --budget. Every minibatch schedule (`index_batches`) is cut to that share of its samples.
+    work_share: float = field(default=1.0, init=False)
 
     def run(self, job: SGDJob) -> SGDResult:
         """`job.epochs` passes of minibatch SGD on the loss (see `loss`) from `job.start`; with `job.steps`, that many
@@ -344,20 +347,39 @@ class LocalTrainer:
             yield self.inputs(stored[batch], generator), labels[batch].to(self.inputs.device, non_blocking=True)
 
     def index_batches(
-        self, count: int, *, epochs: int, seed: int, steps: int | None = None
+        self, count: int, *, epochs: int, seed: int, steps: int | None = None, share: float | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Generator]]:
         """The index batches of `minibatches` into `count` images, each with the generator its augmentation draws
         from (the one that shuffled it): a caller draws a batch's augmentation before it asks for the next batch,
-        so the draws come in `minibatches`' order (concurrent clients: `peradapt.compute.concurrent`)."""
+        so the draws come in `minibatches`' order (concurrent clients: `peradapt.compute.concurrent`).
+
+        With a `share` below 1 (None: `work_share`, the client's being trained), only the first batches of that
+        share of the samples, the last one cut short (`costs.shared_sizes`): the same batches as the whole work
+        until it stops."""
+        share = self.work_share if share is None else share
+        allowed = (
+            None
+            if share >= 1
+            else shared_sizes(schedule_sizes(count, self.batch_size, epochs=epochs, steps=steps), share)
+        )
         generator = seeded_generator(seed)
         drawn, passes = 0, 0
         while (drawn < steps) if steps is not None else (passes < epochs):
             for batch in iterate_minibatches(count, self.batch_size, generator):
-                if steps is not None and drawn == steps:
+                if (steps is not None and drawn == steps) or (allowed is not None and drawn == len(allowed)):
                     return
                 drawn += 1
-                yield batch, generator
+                yield (batch if allowed is None else batch[: allowed[drawn - 1]]), generator
             passes += 1
+
+    @contextlib.contextmanager
+    def sharing(self, share: float) -> Iterator[None]:
+        """For the block, every minibatch schedule cut to `share` of its samples (`work_share`)."""
+        self.work_share = share
+        try:
+            yield
+        finally:
+            self.work_share = 1.0
 
     def loss(self, images: torch.Tensor, labels: torch.Tensor, lr: float, reduction: str = "mean") -> torch.Tensor:
         """`task_loss` of the model as it is loaded, the forward pass of a training step: its samples are counted
@@ -371,10 +393,11 @@ class LocalTrainer:
         with self.inputs.autocast():
             return task_loss(self.model(images), labels, reduction)
 
-    def training_flops(self, images: torch.Tensor) -> int:
-        """FLOPs per sample of a training step with every trainable parameter training (`costs.training_flops`), on
-        `images` (uint8, as stored) made model inputs. In evaluation mode, which changes no count: no BatchNorm
-        statistic moves and no dropout draws, so the rounds see the model and random streams they would without."""
+    def sample_flops(self, images: torch.Tensor) -> SampleFlops:
+        """FLOPs per sample of a training step with every trainable parameter training (`costs.training_flops`) and
+        of an inference pass (`costs.inference_flops`), on `images` (uint8, as stored) made model inputs. In
+        evaluation mode, which changes no count: no BatchNorm statistic moves and no dropout draws, so the rounds
+        see the model and random streams they would without."""
         training = self.model.module.training
         self.model.eval()
         try:
@@ -382,7 +405,8 @@ class LocalTrainer:
                 inputs = self.inputs(images)
                 with torch.no_grad():  # a first pass builds what the model caches (frozen convolutions on small
                     self.model(inputs)  # maps as a dense matrix: `SmallInputConv2d`), once, not at every step
-                return training_flops(self.model, inputs, self.model.trainable_parameters().values())
+                trained = training_flops(self.model, inputs, self.model.trainable_parameters().values())
+                return SampleFlops(trained, inference_flops(self.model, inputs))
         finally:
             if training:
                 self.model.train()

@@ -98,6 +98,11 @@ class Distiller:
     # Wall-clock seconds of every `distill` so far in this process: the engine tells distillation from the rest of
     # a method's server update by its change over the update.
     seconds: float = field(default=0.0, init=False)
+    # Samples of every `distill` so far, counted as `LocalTrainer.samples_trained` counts a client's: through the
+    # student's forward and backward pass, and through an inference pass (the teachers' logits, the validation
+    # checks). The engine prices them per sample (`costs.SampleFlops`).
+    samples_trained: int = field(default=0, init=False)
+    samples_inferred: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.inputs is None:
@@ -131,7 +136,9 @@ class Distiller:
             if training_mode or inputs.augment != "none"
             else ensemble_logits(trainer, teachers, self.kd_data, inputs)
         )
-        best_state, best_score = student, trainer.score(student, self.val_data)
+        if cached is not None:
+            self.samples_inferred += len(teachers) * len(self.kd_data)
+        best_state, best_score = student, self.score(student)
         start_score, best_step, checks_without_gain = best_score, 0, 0
         model.load_state(student)
         parameters = list(model.trainable_parameters().values())
@@ -149,6 +156,7 @@ class Distiller:
                 teacher_logits = cached[batch.to(cached.device)]
             else:
                 teacher_logits = self.teacher_logits(teachers, images, set_mode)
+                self.samples_inferred += len(teachers) * len(batch)
             set_mode()
             with inputs.autocast():
                 student_logits = model(images).float()
@@ -159,12 +167,13 @@ class Distiller:
             loss.backward()
             optimizer.step()
             schedule.step()
+            self.samples_trained += len(batch)
             last_loss = loss.item()
             if on_step is not None:
                 on_step(step)
             if step % check_every == 0 or step == steps:
                 candidate = model.state()
-                score = trainer.score(candidate, self.val_data)
+                score = self.score(candidate)
                 model.load_state(candidate)
                 if score > best_score:
                     best_state, best_score, best_step, checks_without_gain = candidate, score, step, 0
@@ -180,6 +189,11 @@ class Distiller:
         }
         self.seconds += time.perf_counter() - started
         return best_state, info
+
+    def score(self, state: AdapterState) -> float:
+        """`state` scored on the server's validation split, an inference pass over it (counted)."""
+        self.samples_inferred += len(self.val_data)
+        return self.trainer.score(state, self.val_data)
 
     @torch.no_grad()
     def teacher_logits(

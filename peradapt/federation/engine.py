@@ -37,11 +37,12 @@ from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.compute.costs import ClientWork, peak_memory, reset_peak_memory, state_bytes
+from peradapt.compute.costs import ClientWork, SampleFlops, peak_memory, reset_peak_memory, state_bytes
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label, parse_budget
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
+from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, machine_error
 from peradapt.evaluation import (
     SELECTED_ON_TEST,
@@ -70,7 +71,7 @@ from peradapt.rundir.checkpoint import (
 from peradapt.rundir.files import damaged, first_missing
 from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
-from peradapt.seeds import SERVER, derive_seed, sample_clients
+from peradapt.seeds import SERVER, answering, derive_seed, sample_clients, straggler_shares
 
 RESUMABLE_CHANGES = (
     "rounds",
@@ -321,7 +322,7 @@ def _remove_new_run(paths: RunPaths, created: Path | None) -> None:
 
 def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
     """The rounds left, then the final evaluation and export: the same for every engine."""
-    flops = training_flops(run.session)
+    flops = sample_flops(run.session)
     global_state = _run_rounds(
         run.session, run.global_state, run.history, run.paths, console, clients, flops, tracking=run.tracking
     )
@@ -333,10 +334,16 @@ class Clients(Protocol):
     Flower ClientApps (`peradapt.flower`). Both play each client with `play_client`."""
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
+        self,
+        round_index: int,
+        trained: list[int],
+        payloads: dict[int, AdapterState],
+        on_client: Callable[[int], None],
+        shares: dict[int, float],
     ) -> list[ClientUpdate]:
         """The updates of the clients `trained`, each from its payload (`Method.payload`: most often the one global
-        state object for all), in the order of `trained`; `on_client(client_id)` as each client finishes."""
+        state object for all) and doing its share of its local work (`shares`, `LocalTrainer.work_share`; a client
+        not there does all of it), in the order of `trained`; `on_client(client_id)` as each client finishes."""
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
@@ -359,18 +366,26 @@ class LocalClients:
         self._traffic: dict = {}
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
+        self,
+        round_index: int,
+        trained: list[int],
+        payloads: dict[int, AdapterState],
+        on_client: Callable[[int], None],
+        shares: dict[int, float],
     ) -> list[ClientUpdate]:
         updates = []
         if self.concurrent is None:
             for client_id in trained:
-                updates.append(play_client(self.session, client_id, payloads[client_id], round_index))
+                share = shares.get(client_id, 1.0)
+                updates.append(play_client(self.session, client_id, payloads[client_id], round_index, share))
                 on_client(client_id)
         else:
             concurrent, together = self.concurrent
             for start in range(0, len(trained), together):
                 group = trained[start : start + together]
-                updates += play_clients_together(self.session, concurrent, group, payloads, round_index, on_client)
+                updates += play_clients_together(
+                    self.session, concurrent, group, payloads, round_index, on_client, shares
+                )
         # What a deployment would send: the payload's tensors and the upload's, as they are (their bytes).
         self._traffic = {
             "bytes_down": [state_bytes(payloads[client_id]) for client_id in trained],
@@ -388,14 +403,16 @@ class LocalClients:
         return traffic
 
 
-def play_client(session: Session, client_id: int, payload: AdapterState, round_index: int) -> ClientUpdate:
+def play_client(
+    session: Session, client_id: int, payload: AdapterState, round_index: int, share: float = 1.0
+) -> ClientUpdate:
     """Client `client_id`'s side of round `round_index` (from 0): the method's client update from what the server
     sent it (the global state, or the client's own payload), seeded by (seed, round, client), so that any engine,
-    process or machine gives the same numbers."""
+    process or machine gives the same numbers; `share` of its local work (`LocalTrainer.sharing`)."""
     client_seed = derive_seed(session.config.seed, round_index, client_id)
     trainer, started = session.trainer, time.perf_counter()
     samples = trainer.samples_trained
-    with charged_to(trainer.privacy, session.store, client_id):  # --dp-noise: its DP-SGD steps
+    with charged_to(trainer.privacy, session.store, client_id), trainer.sharing(share):  # --dp-noise: its DP-SGD steps
         update = session.method.client_update(session.data.clients[client_id], payload, client_seed)
     update.work = ClientWork(trainer.samples_trained - samples, time.perf_counter() - started)
     return update
@@ -408,9 +425,10 @@ def play_clients_together(
     payloads: dict[int, AdapterState],
     round_index: int,
     on_client: Callable[[int], None],
+    shares: dict[int, float],
 ) -> list[ClientUpdate]:
-    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`);
-    `on_client(client_id)` is called as each client finishes."""
+    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`), each doing
+    its share of its work (`shares`: all where not there); `on_client(client_id)` is called as each finishes."""
     method = session.method
     assert isinstance(method, LocalSGDMethod), "concurrent_training serves only methods that train by SGD jobs"
     steps = [
@@ -424,7 +442,7 @@ def play_clients_together(
         on_client(client_ids[index])
 
     started = time.perf_counter()
-    updates = concurrent.run_steps(steps, on_finished=finished)
+    updates = concurrent.run_steps(steps, on_finished=finished, shares=[shares.get(c, 1.0) for c in client_ids])
     seconds = (time.perf_counter() - started) / len(client_ids)  # one pass for all: its time shared out evenly
     for update, trained in zip(updates, samples, strict=True):
         update.work = ClientWork(trained, seconds)
@@ -468,11 +486,11 @@ def clients_at_once(session: Session, concurrent: ConcurrentSGD, console: Consol
     return together
 
 
-def training_flops(session: Session) -> int:
-    """FLOPs per training sample of a client's step (`LocalTrainer.training_flops`), measured once per run, on a
-    federated client's first training image twice: the rounds multiply it by the samples they count."""
+def sample_flops(session: Session) -> SampleFlops:
+    """FLOPs per sample of a training step and of an inference pass (`LocalTrainer.sample_flops`), measured once per
+    run, on a federated client's first training image twice: the rounds multiply them by the samples they count."""
     images = next(client.train.images[:1] for client in session.federated_clients if len(client.train))
-    return session.trainer.training_flops(images.repeat(2, 1, 1, 1))
+    return session.trainer.sample_flops(images.repeat(2, 1, 1, 1))
 
 
 def budget_limit(config: TrainConfig) -> int | None:
@@ -484,11 +502,18 @@ def budget_limit(config: TrainConfig) -> int | None:
 def check_budget(session: Session) -> None:
     """Refuse a --budget that the run cannot reach within --rounds, before anything is written: a round processes
     at most what the method's client update can (`Method.client_samples_bound`) on the clients with the most data,
-    as many as a round trains. Not checked where that is not known before the run: with --dp-noise (DP-SGD's
+    as many as a round trains, and the final personalization's samples are set aside first
+    (`personalization_reserve`). Not checked where that is not known before the run: with --dp-noise (DP-SGD's
     Poisson batches have no largest size) or for a method that does not say."""
     limit, fed, method = budget_limit(session.config), session.config.federation, session.method
     if limit is None or session.trainer.privacy is not None:
         return
+    reserve = personalization_reserve(session)
+    if reserve >= limit:
+        raise ConfigError(
+            f"--budget {fed.budget} cannot be reached: --method {session.config.method.method}'s personalization "
+            f"of every client after the rounds alone trains {reserve:,} samples; raise N"
+        )
     bounds = [method.client_samples_bound(client) for client in session.federated_clients]
     known = [bound for bound in bounds if bound is not None]
     if len(known) < len(bounds):
@@ -496,13 +521,43 @@ def check_budget(session: Session) -> None:
     federated = [client.client_id for client in session.federated_clients]
     trained = len(method.clients_to_train(federated[: fed.clients_per_round], federated))
     per_round = sum(sorted(known, reverse=True)[:trained])
-    if per_round * fed.rounds < limit:
-        needed = f"--rounds {-(-limit // per_round)}" if per_round else "clients with training data"
+    if per_round * fed.rounds < limit - reserve:
+        needed = f"--rounds {-(-(limit - reserve) // per_round)}" if per_round else "clients with training data"
+        set_aside = f" besides the {reserve:,} of the final personalization" if reserve else ""
         raise ConfigError(
             f"--budget {fed.budget} cannot be reached: --method {session.config.method.method} processes at most "
             f"{per_round:,} client training samples a round ({counted(trained, 'client')}), "
-            f"{per_round * fed.rounds:,} in --rounds {fed.rounds}; lower N or give it {needed}"
+            f"{per_round * fed.rounds:,} in --rounds {fed.rounds}{set_aside}; lower N or give it {needed}"
         )
+
+
+def personalization_reserve(session: Session) -> int:
+    """The training samples of the federated clients' personalization when the run hands out their models
+    (`Method.personalization_samples`: fedavg-ft's fine-tuning), which --budget counts and so sets aside."""
+    return sum(session.method.personalization_samples(client) for client in session.federated_clients)
+
+
+def budget_reached(history: list[dict], limit: int, reserve: int) -> bool:
+    """Whether the rounds of `history` used up --budget client-samples:`limit` (less `reserve`): their samples
+    reach it, or the last round trained only what was left of it (`budget_share`)."""
+    return client_samples(history) + reserve >= limit or bool(history and "budget_share" in history[-1])
+
+
+def budget_share(session: Session, history: list[dict], trained: list[int], shares: dict[int, float]) -> float | None:
+    """The share of their work the clients `trained` (doing `shares` of it already: stragglers) do so that the
+    round trains no more than what is left of --budget: None where all of it fits, or where the most a client
+    trains is not known (`Method.client_samples_bound`; DP-SGD), and the budget is then met to within a round.
+    Each SGD job of a client is cut to the share (`LocalTrainer.work_share`), so the round trains at most what is
+    left, less under a sample per job."""
+    limit = budget_limit(session.config)
+    if limit is None or session.trainer.privacy is not None:
+        return None
+    bounds = [session.method.client_samples_bound(session.data.clients[c]) for c in trained]
+    if any(bound is None for bound in bounds):
+        return None
+    planned = sum(shares.get(c, 1.0) * bound for c, bound in zip(trained, bounds, strict=True))  # type: ignore[operator]
+    left = limit - personalization_reserve(session) - client_samples(history)
+    return left / planned if planned > left else None
 
 
 def _store_directory(kind: str, paths: RunPaths) -> Path | None:
@@ -541,7 +596,7 @@ def _run_rounds(
     paths: RunPaths,
     console: Console,
     clients: Clients,
-    flops: int,
+    flops: SampleFlops,
     tracking: Tracking | None = None,
 ) -> dict:
     config, method = session.config, session.method
@@ -550,40 +605,66 @@ def _run_rounds(
     distiller = method.context.distiller
     federated_ids = list(range(federated))
     limit = budget_limit(config)
+    reserve = personalization_reserve(session) if limit is not None else 0
     with progress_display(console) as progress:
         # without a terminal, a line per round (`ProgressLines`): what a live display shows as it goes
         rounds_bar = progress.add_task("rounds", total=fed.rounds, completed=len(history), log_each_step=True)
         for round_index in range(len(history), fed.rounds):
-            if limit is not None and client_samples(history) >= limit:
+            if limit is not None and budget_reached(history, limit, reserve):
+                set_aside = f" and {reserve:,} set aside for the final personalization" if reserve else ""
                 console.print(
                     f"--budget {fed.budget}: reached after round {round_index} "
-                    f"({client_samples(history):,} client training samples); no more rounds"
+                    f"({client_samples(history):,} client training samples{set_aside}); no more rounds"
                 )
                 break
             sampled = sample_clients(seed, round_index, federated, fed.clients_per_round)
-            trained = method.clients_to_train(sampled, federated_ids)  # pFedMe, pFedBreD: every client trains
+            # --participation: the clients that do not answer neither train nor are aggregated
+            asked = method.clients_to_train(sampled, federated_ids)  # pFedMe, pFedBreD: every client trains
+            trained = answering(seed, round_index, asked, fed.participation)
+            answered = set(trained)
+            aggregated = [client_id for client_id in sampled if client_id in answered]
+            shares = straggler_shares(seed, round_index, trained, fed.stragglers) if fed.stragglers else {}
+            stragglers = dict(shares)
+            cut = budget_share(session, history, trained, shares)
+            if cut is not None:  # the last round of --budget: every client does its part of what is left
+                shares = {client_id: shares.get(client_id, 1.0) * cut for client_id in trained}
             payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
             clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(trained), samples=0)
-            updates = clients.train(round_index, trained, payloads, _client_progress(session, progress, clients_bar))
+            updates = clients.train(
+                round_index, trained, payloads, _client_progress(session, progress, clients_bar), shares
+            )
             progress.remove_task(clients_bar)
             by_client = {update.client_id: update for update in updates}
             kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0
             server_bar = progress.add_task(f"round {round_index + 1}: server", total=max(kd_steps, 1))
             server_started, distilled = time.perf_counter(), distiller.seconds if distiller else 0.0
-            global_state, server_metrics = method.server_update(
-                global_state,
-                [by_client[client_id] for client_id in sampled],  # the sample is aggregated, whoever trained
-                derive_seed(seed, round_index, SERVER),
-                round_index,
-                on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
-            )
+            server_samples = _distiller_samples(distiller)
+            server_metrics: dict[str, float] = {}
+            if aggregated:  # a round that no sampled client answered keeps the global model
+                global_state, server_metrics = method.server_update(
+                    global_state,
+                    [by_client[client_id] for client_id in aggregated],  # the sample is aggregated, whoever trained
+                    derive_seed(seed, round_index, SERVER),
+                    round_index,
+                    on_step=lambda step, bar=server_bar: progress.update(bar, completed=step),
+                )
             server_seconds = time.perf_counter() - server_started
             distillation_seconds = (distiller.seconds if distiller else 0.0) - distilled
+            server_trained, server_inferred = (
+                now - before for now, before in zip(_distiller_samples(distiller), server_samples, strict=True)
+            )
             progress.remove_task(server_bar)
             record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
             if trained != sampled:
                 record["trained_clients"] = len(trained)
-            record.update(round_epsilons(session.trainer.privacy, session.store, sampled))
+            if len(trained) < len(asked):
+                record["unanswered"] = [client_id for client_id in asked if client_id not in answered]
+            if stragglers:
+                record["stragglers"] = {str(client_id): share for client_id, share in stragglers.items()}
+            if cut is not None:
+                record["budget_share"] = cut
+            record.update(round_epsilons(session.trainer.privacy, session.store, aggregated))
+            evaluation_samples = 0
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
                 evaluated = session.client_sample  # after this round, whose checkpoint is not written yet
                 personalized = clients.personalized(
@@ -592,6 +673,7 @@ def _run_rounds(
                 evaluation = _evaluate(session, personalized, global_state, evaluated)
                 record.update(summarize(evaluation))
                 record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
+                evaluation_samples = sum(method.personalization_samples(client) for client in evaluated)
             record.update(clients.traffic())
             samples = [update.work.samples for update in updates]  # `updates` are in the order of `trained`
             record["client_samples"] = samples
@@ -599,7 +681,14 @@ def _run_rounds(
                 "bytes_down": sum(record["bytes_down"]),
                 "bytes_up": sum(record["bytes_up"]),
                 "client_samples": sum(samples),
-                "client_flops": sum(samples) * flops,
+                "client_flops": sum(samples) * flops.training,
+                # the server's distillation: the student's training samples, and all of it in FLOPs
+                "server_samples": server_trained,
+                "server_flops": server_trained * flops.training + server_inferred * flops.inference,
+                # the personalization (fine-tuning) that scoring the clients' models after this round took: what
+                # --eval-every costs, apart from the method's own training
+                "evaluation_samples": evaluation_samples,
+                "evaluation_flops": evaluation_samples * flops.training,
             }
             # What differs from run to run of the same settings, under one key (see `peradapt.compute.costs`)
             record["timing"] = {
@@ -615,6 +704,11 @@ def _run_rounds(
                 tracking.log_round(record)
             progress.update(rounds_bar, advance=1, description=_round_description(record))
     return global_state
+
+
+def _distiller_samples(distiller: Distiller | None) -> tuple[int, int]:
+    """The distiller's samples so far, trained and inferred (`Distiller.samples_trained`, `samples_inferred`)."""
+    return (distiller.samples_trained, distiller.samples_inferred) if distiller else (0, 0)
 
 
 def client_samples(history: list[dict]) -> int:
@@ -683,7 +777,7 @@ def _finish(
     paths: RunPaths,
     console: Console,
     clients: Clients,
-    flops: int,
+    flops: SampleFlops,
     tracking: Tracking | None = None,
 ) -> dict:
     federated, played = session.federated_clients, len(history)  # fewer than --rounds if --budget stopped the run
@@ -731,7 +825,7 @@ def exporting(
     return personalized_and_exported
 
 
-def build_report(session: Session, evaluation: dict, history: list[dict], flops: int) -> dict:
+def build_report(session: Session, evaluation: dict, history: list[dict], flops: SampleFlops) -> dict:
     def with_stats(values: list[float], **clients: list[int]) -> dict:
         return {**summary(values), "per_client": values, **clients}
 
@@ -773,9 +867,10 @@ def build_report(session: Session, evaluation: dict, history: list[dict], flops:
     }
 
 
-def cost_report(session: Session, history: list[dict], flops: int) -> dict:
-    """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, with the method's
-    parameter counts and the budget. Nothing for a run with rounds from before costs were recorded (resumed)."""
+def cost_report(session: Session, history: list[dict], flops: SampleFlops) -> dict:
+    """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, the final
+    personalization's, with the method's parameter counts and the budget. Nothing for a run with rounds from before
+    costs were recorded (resumed); a total a round from before it was counted lacks is null."""
     if not all("cost" in record for record in history):
         return {}
     totals = {key: sum(record["cost"][key] for record in history) for key in ("bytes_down", "bytes_up")}
@@ -784,7 +879,11 @@ def cost_report(session: Session, history: list[dict], flops: int) -> dict:
     now = peak_memory(session.device)  # the final evaluation's too
     cuda = [t["peak_cuda_bytes"] for t in [*timings, now] if "peak_cuda_bytes" in t]
     limit = budget_limit(session.config)
-    samples = client_samples(history)
+    samples, personalization = client_samples(history), personalization_reserve(session)
+    later = {  # counted since issue 36
+        key: sum(record["cost"][key] for record in history) if all(key in r["cost"] for r in history) else None
+        for key in ("server_samples", "server_flops", "evaluation_samples", "evaluation_flops")
+    }
     return {
         "cost": {
             "rounds_played": len(history),
@@ -792,9 +891,20 @@ def cost_report(session: Session, history: list[dict], flops: int) -> dict:
             **{f"{key}_per_client_round": totals[key] / max(client_rounds, 1) for key in totals},
             "client_samples": samples,
             "client_flops": sum(record["cost"]["client_flops"] for record in history),
-            "training_flops_per_sample": flops,
+            # the clients' models handed out after the rounds: what the method trains then (fine-tuning)
+            "personalization_samples": personalization,
+            "personalization_flops": personalization * flops.training,
+            **later,
+            "training_flops_per_sample": flops.training,
+            "inference_flops_per_sample": flops.inference,
             "parameters": session.method.parameter_counts(),
-            "budget": None if limit is None else {"client_samples": limit, "reached": samples >= limit},
+            "budget": None
+            if limit is None
+            else {
+                "client_samples": limit,
+                "spent": samples + personalization,
+                "reached": budget_reached(history, limit, personalization),
+            },
             "timing": {
                 **{key: sum(t[key] for t in timings) for key in SECONDS},
                 "peak_rss_bytes": max(t["peak_rss_bytes"] for t in [*timings, now]),

@@ -67,7 +67,7 @@ def train(message: Message, context: Context) -> Message:
     client_id, round_index = int(task[r.CLIENT]), int(task[r.ROUND])
     _store(session).open_client(client_id, played=round_index, checkpointed=round_index)
     global_state = r.from_record(message.content[r.GLOBAL], session.device)
-    update = play_client(session, client_id, global_state, round_index)
+    update = play_client(session, client_id, global_state, round_index, float(task[r.SHARE]))
     content = RecordDict(
         {
             r.UPLOAD: r.to_record(update.upload),

@@ -29,6 +29,7 @@ RUN = "run"  # ConfigRecord: the run's config.json and partition.json, for nodes
 # Keys in those records, and in a SuperNode's --node-config.
 RUN_DIR = "run-dir"
 ROUND = "round"
+SHARE = "share"  # of its local work a client does (`LocalTrainer.work_share`)
 PLAYED = "played"
 CHECKPOINTED = "checkpointed"
 CLIENT = "client"

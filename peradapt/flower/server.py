@@ -51,10 +51,15 @@ class FlowerClients:
         self._connected = False
 
     def train(
-        self, round_index: int, trained: list[int], payloads: dict[int, AdapterState], on_client: Callable[[int], None]
+        self,
+        round_index: int,
+        trained: list[int],
+        payloads: dict[int, AdapterState],
+        on_client: Callable[[int], None],
+        shares: dict[int, float],
     ) -> list[ClientUpdate]:
         self._connect()
-        messages = self.strategy.configure_train(round_index, trained, payloads)
+        messages = self.strategy.configure_train(round_index, trained, payloads, shares)
         return self.strategy.aggregate_train(trained, self._exchange(messages, "client", on_client))
 
     def personalized(

@@ -77,10 +77,15 @@ class PeradaptStrategy:
     # ------------------------------------------------------------ train
 
     def configure_train(
-        self, round_index: int, trained: Sequence[int], payloads: dict[int, AdapterState]
+        self,
+        round_index: int,
+        trained: Sequence[int],
+        payloads: dict[int, AdapterState],
+        shares: dict[int, float],
     ) -> list[tuple[int, Message]]:
-        """A message per client with its payload; clients sent the same state object (most often the global
-        adapter, sent to all) share one record, which a SuperLink stores once."""
+        """A message per client with its payload and the share of its local work it does (`shares`: all where not
+        there); clients sent the same state object (most often the global adapter, sent to all) share one record,
+        which a SuperLink stores once."""
         records: dict[int, ArrayRecord] = {}
         for client in trained:
             state = payloads[client]
@@ -90,7 +95,15 @@ class PeradaptStrategy:
         self._down = {client: arrays[client].count_bytes() for client in trained}
         self._up, self._evaluation = {}, 0
         return [
-            (client, self._message(r.TRAIN, client, arrays[client], {r.ROUND: round_index, r.CLIENT: client}))
+            (
+                client,
+                self._message(
+                    r.TRAIN,
+                    client,
+                    arrays[client],
+                    {r.ROUND: round_index, r.CLIENT: client, r.SHARE: shares.get(client, 1.0)},
+                ),
+            )
             for client in trained
         ]
 

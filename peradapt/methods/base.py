@@ -196,6 +196,13 @@ class Method(ABC):
         the budget is then not checked. Exact for local SGD by epochs or steps, at least the count otherwise."""
         return None
 
+    def personalization_samples(self, client: ClientData) -> int:
+        """The training samples `personalized` processes for `client` when it hands out the client's model (at each
+        evaluation and at the export): 0, a stored state, unless the method trains then (fine-tuning). Declared,
+        not measured, so that either engine reports it and --budget can set it aside before the rounds."""
+        del client  # most methods hand out a state they keep
+        return 0
+
     def sgd_samples(self, client: ClientData, epochs: int, steps: int | None = None) -> int:
         """The training samples of `epochs` passes over the client's training data, or of `steps` minibatches."""
         return sgd_samples(len(client.train), self.trainer.batch_size, epochs=epochs, steps=steps)

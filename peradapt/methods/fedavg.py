@@ -108,6 +108,10 @@ class FineTuning(Method):
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         return self.finetune(global_state, client, derive_seed(seed, FINETUNE))
 
+    def personalization_samples(self, client: ClientData) -> int:
+        """`finetune`'s samples: --ft-epochs passes, or `ft_steps` minibatches."""
+        return self.sgd_samples(client, self.ft_epochs, self.ft_steps)
+
     def finetune(self, global_state: AdapterState, client: ClientData, seed: int) -> AdapterState:
         """--ft-epochs (or `ft_steps` steps) of SGD on the client's training data from the global model (at
         --personal-lr)."""
