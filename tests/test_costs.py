@@ -21,6 +21,7 @@ from peradapt.compute.costs import (
     training_flops,
 )
 from peradapt.evaluation.plots import plot_accuracy_vs_cost
+from peradapt.evaluation.report import cost_summary
 from peradapt.federation.session import build_session
 from peradapt.federation.tracking import numeric
 from peradapt.rundir.layout import read_partition, read_run_config
@@ -236,6 +237,8 @@ def test_distillation_is_counted_in_samples_and_flops(runs, home):
         )
     assert cost["server_flops"] == sum(r["cost"]["server_flops"] for r in records(runs["perada"])) > 0
     assert all(r["cost"]["server_flops"] == 0 for r in records(runs["fedavg"]))
+    assert f"server {cost['server_samples']:,} distillation samples" in cost_summary(cost)
+    assert "distillation samples" not in cost_summary(report(runs["fedavg"])["cost"])
 
 
 def test_fine_tuning_at_evaluation_is_counted(runs, home):
@@ -307,9 +310,10 @@ def test_a_budget_sets_the_final_fine_tuning_aside(runs, tmp_path, fmnist_dir, c
     limit = full["personalization_samples"] + rounds[0]["cost"]["client_samples"] + 40
     run = tmp_path / "ft"
     args = tiny_args(fmnist_dir, run, "--method", "fedavg-ft", "--budget", f"client-samples:{limit}")
-    code, _, err = run_cli(args, capsys, monkeypatch)
+    code, out, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     cost = report(run)["cost"]
+    assert f"(and {cost['personalization_samples']:,} personalizing the clients' models)" in out.replace("\n", " ")
     spent = cost["client_samples"] + cost["personalization_samples"]
     assert cost["budget"]["spent"] == spent and limit * 0.99 <= spent <= limit
     assert cost["personalization_samples"] == full["personalization_samples"]

@@ -61,7 +61,9 @@ def cost_summary(cost: dict) -> str:
     parts = [
         f"cost: {quantity(cost['bytes_up'], 'B')} up, {quantity(cost['bytes_down'], 'B')} down "
         f"({quantity(cost['bytes_up_per_client_round'], 'B')} up per client and round)",
-        f"{cost['client_samples']:,} client training samples, {quantity(cost['client_flops'], 'FLOPs')}",
+        f"{cost['client_samples']:,} client training samples, {quantity(cost['client_flops'], 'FLOPs')}"
+        + _personalization(cost),
+        *_server(cost),
         f"clients {timing['client_seconds']:.1f} s, server {server:.1f} s "
         f"(distillation {timing['distillation_seconds']:.1f} s)",
         f"peak memory {quantity(timing['peak_rss_bytes'], 'B')}"
@@ -69,5 +71,20 @@ def cost_summary(cost: dict) -> str:
     ]
     if budget is not None:
         outcome = "reached" if budget["reached"] else "not reached"
-        parts.append(f"--budget client-samples:{budget['client_samples']} {outcome} in {cost['rounds_played']} rounds")
+        spent = f" ({budget['spent']:,} spent)" if "spent" in budget else ""
+        parts.append(
+            f"--budget client-samples:{budget['client_samples']} {outcome} in {cost['rounds_played']} rounds{spent}"
+        )
     return "; ".join(parts)
+
+
+def _personalization(cost: dict) -> str:
+    """The samples of the clients' personalization after the rounds (fine-tuning), where there are any."""
+    samples = cost.get("personalization_samples")
+    return f" (and {samples:,} personalizing the clients' models)" if samples else ""
+
+
+def _server(cost: dict) -> list[str]:
+    """The server's distillation work, where it did any."""
+    flops = cost.get("server_flops")
+    return [f"server {cost['server_samples']:,} distillation samples, {quantity(flops, 'FLOPs')}"] if flops else []

@@ -41,8 +41,16 @@ REPORT = {
         "client_samples": int,
         "client_flops": int,
         "training_flops_per_sample": int,
+        # reports from before issue 36 lack these; a total is null where a resumed run's older rounds lack it
+        "personalization_samples?": int,
+        "personalization_flops?": int,
+        "server_samples?": object,
+        "server_flops?": object,
+        "evaluation_samples?": object,
+        "evaluation_flops?": object,
+        "inference_flops_per_sample?": int,
         "parameters": {str: int},
-        "budget": object,  # null, or {"client_samples": N, "reached": true or false}
+        "budget": object,  # null, or {"client_samples": N, "spent": S, "reached": true or false}
     },
 }
 # partition.json (see `data.federation.build_federation`): what `info` and a reopened session read
@@ -80,7 +88,20 @@ ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics
     "bytes_down?": [int],
     "bytes_up?": [int],
     "client_samples?": [int],
-    "cost?": {"bytes_down": int, "bytes_up": int, "client_samples": int, "client_flops": int},
+    "cost?": {
+        "bytes_down": int,
+        "bytes_up": int,
+        "client_samples": int,
+        "client_flops": int,
+        # rounds from before issue 36 lack these
+        "server_samples?": int,
+        "server_flops?": int,
+        "evaluation_samples?": int,
+        "evaluation_flops?": int,
+    },
+    "unanswered?": [int],  # --participation: the clients asked that did not answer
+    "stragglers?": {str: float},  # --stragglers: client id -> the share of its work it did
+    "budget_share?": float,  # --budget: the share of their work the last round's clients did
     "timing?": {
         "client_seconds": float,
         "aggregation_seconds": float,
