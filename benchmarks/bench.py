@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
+from peradapt.commands.estimate import validation_checks
 from peradapt.compute.concurrent import ConcurrentSGD
 from peradapt.compute.trainer import InputPipeline, LocalTrainer, Objective, SGDJob
 from peradapt.config import DistillConfig, MethodConfig, TrainConfig
@@ -608,7 +609,9 @@ def estimate(settings: Settings) -> dict:
     (`estimate_run_hours_kd_every_round`). Not counted: averaging, checkpoints, data loading.
 
     On a CPU the distillation batch and validation split are scaled down (per-image costs hold there); on a GPU
-    the preset's own 2048 and 5,000 are measured, as per-image costs there fall with the batch."""
+    the preset's own 2048 and 5,000 are measured, as per-image costs there fall with the batch. `peradapt train
+    --dry-run` and `compare --dry-run` price a user's own runs from the same unit times, measured on the run's own
+    model and data (`peradapt.commands.estimate`)."""
     config = TrainConfig.from_flat(preset_settings(ESTIMATE_PRESET))
     fed, method, distill = config.federation, config.method, config.distill
     gpu = settings.device == "cuda"
@@ -710,8 +713,7 @@ def estimate(settings: Settings) -> dict:
         client_round_s = steps_per_epoch * (
             method.personal_epochs * together_s["personal"] + method.local_epochs * together_s["local"]
         )
-    check_every = distill.kd_eval_every or max(1, distill.kd_steps // 10)
-    kd_checks = 1 + -(-distill.kd_steps // check_every)  # the starting mean's, then every check_every and the last
+    kd_checks = validation_checks(distill)  # the starting mean's, then every --kd-eval-every steps and the last
     kd_step_s = kd_step_measured * distill.kd_batch_size / kd_batch
     kd_phase_s = distill.kd_steps * kd_step_s + kd_checks * val_images * inference_image_s
     kd_rounds = min(distill.kd_rounds or fed.rounds, fed.rounds)

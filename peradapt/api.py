@@ -78,6 +78,7 @@ def train(
     resume: bool = False,
     preset: str | None = None,
     config_file: PathLike | None = None,
+    dry_run: bool = False,
     quiet: bool = False,
     console: Console | None = None,
     **settings: Any,
@@ -85,14 +86,22 @@ def train(
     """Train a federation (or continue one: `resume=True, out=RUN`) into its run directory; returns `report.json`.
 
     `config`: a whole `TrainConfig`; else one from `preset`, `config_file` and `settings` (see `training_config`).
-    The run directory is `config.out` (set to the default, `runs/DATA-METHOD-seedSEED`, when none is given)."""
+    The run directory is `config.out` (set to the default, `runs/DATA-METHOD-seedSEED`, when none is given).
+    `dry_run`: instead, what the run would do and about how long it would take on this machine, with nothing
+    written (`peradapt.commands.estimate.estimate_sweep`)."""
     from peradapt.training import train as run_training
 
+    if dry_run and resume:
+        raise ConfigError("--dry-run estimates a new run: drop --resume")
     if config is None:
         config = training_config(resume=resume, preset=preset, config_file=config_file, **_as_text(settings))
     elif settings or preset or config_file:
         raise ConfigError("train takes a TrainConfig or settings, not both: put the settings into the config")
     with origins_named(config.origins):
+        if dry_run:
+            from peradapt.commands.estimate import estimate_sweep
+
+            return estimate_sweep(config.to_flat(), [config.method.method], [config.seed])
         return run_training(config, resume=resume, console=_console(console, quiet))
 
 
@@ -200,6 +209,7 @@ def compare(
     ood: str | None = None,
     ood_limit: int | None = None,
     test: str = "t",
+    dry_run: bool = False,
     quiet: bool = False,
     console: Console | None = None,
     **settings: Any,
@@ -207,7 +217,8 @@ def compare(
     """Tune every method with `tune` trials on validation splits (0: their settings as given), train it on seeds
     0..seeds-1 (shared partitions), and return what OUT/compare.json holds (rows, ranks, trials, audit), also
     written as compare.md and PNGs; finished runs and trials in `out` (or `storage`) are reused. See
-    `peradapt.commands.comparison`."""
+    `peradapt.commands.comparison`. `dry_run`: instead, what the comparison would run and about how long it would
+    take on this machine, with nothing written (`peradapt.commands.estimate.estimate_sweep`)."""
     from peradapt.commands.comparison import compare as run_compare
 
     for flag, value, least in (("--seeds", seeds, 1), ("--tune", tune, 0), ("--ood-limit", ood_limit, 1)):
@@ -235,6 +246,7 @@ def compare(
             ood=ood,
             ood_limit=ood_limit,
             test=test,  # type: ignore[arg-type]  # checked there, in one line
+            dry_run=dry_run,
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -194,6 +195,31 @@ def pretrain(
         )
 
 
+DryRun = Annotated[
+    bool,
+    Opt(
+        "--dry-run",
+        help="Write nothing: print what would run (runs, rounds, client samples) and its time on this machine, from "
+        "a few timed steps of the run's own model (GPU-hours on a GPU).",
+    ),
+]
+
+
+def _table_console() -> Console:
+    """Where a wide table prints: piped output has no width to fit, so its rows stay on one line each for logs and
+    scripts."""
+    return out_console if out_console.is_terminal else text_console(width=220)
+
+
+def _print_estimate(estimate: dict) -> None:
+    """`--dry-run`'s table and what its total comes to (`commands.estimate`)."""
+    from peradapt.commands.estimate import estimate_lines, estimate_table
+
+    _table_console().print(estimate_table(estimate))
+    for line in estimate_lines(estimate):
+        out_console.print(line, soft_wrap=True)
+
+
 @command()
 @takes_settings()
 def train(
@@ -206,9 +232,14 @@ def train(
         ),
     ] = None,
     config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
+    dry_run: DryRun = False,
     **settings: Any,
 ) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
+    if dry_run:
+        given = given_settings(settings)
+        _print_estimate(api.train(resume=resume, preset=preset, config_file=config, dry_run=True, **given))
+        return
     train_config = api.training_config(resume=resume, preset=preset, config_file=config, **given_settings(settings))
     report = api.train(train_config, resume=resume, console=err_console)
     from peradapt.evaluation import cost_summary, results_table
@@ -272,6 +303,7 @@ def compare(
             metavar="t|wilcoxon",
         ),
     ] = "t",
+    dry_run: DryRun = False,
     **settings: Any,
 ) -> None:
     """Tune, repeat and cost several methods on the same partitions and seeds, and print the ranked comparison.
@@ -298,15 +330,17 @@ def compare(
         ood=ood,
         ood_limit=ood_limit,
         test=test,
+        dry_run=dry_run,
         console=err_console,
         **given_settings(settings),
     )
+    if dry_run:
+        _print_estimate(result)
+        return
     if tune_only:
         out_console.print(f"trials done: {', '.join(result['methods'])}", soft_wrap=True)
         return
-    # Piped output has no width to fit: keep the table's rows on one line each for logs and scripts.
-    console = out_console if out_console.is_terminal else text_console(width=220)
-    console.print(rich_table(result))
+    _table_console().print(rich_table(result))
     out_console.print(f"written to {out / 'compare.json'}, {out / 'compare.md'} and PNGs", soft_wrap=True)
 
 

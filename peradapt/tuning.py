@@ -58,7 +58,7 @@ from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths, read_report
 from peradapt.seeds import TUNING, derive_seed
-from peradapt.settings import Search
+from peradapt.settings import Search, Setting
 from peradapt.training import train
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def tune(
     if trials < 1:
         raise ConfigError(f"--tune must be at least 1 trial, got {trials}")
     fixed = settings_for_method({key.replace("-", "_"): value for key, value in settings.items()}, method)
-    space = {key: declared for key, declared in search_space(method).items() if key not in fixed}
+    space = searched(method, fixed)
     base = TrainConfig.from_flat({**fixed, "method": method, "eval_split": "validation"})  # refused before any trial
     if not space:
         given = ", ".join(declared.flag_name for declared in search_space(method).values())
@@ -149,6 +149,18 @@ def tune(
     best = f"best {result['best_value']:.4g} with {_values(result['best_params'])}" if result["best_params"] else ""
     console.print(f"{method}: {counted(trials, 'trial')} in study {study_name}; {best or 'no trial completed'}")
     return result
+
+
+def searched(method: str, fixed: dict[str, Any]) -> dict[str, Setting]:
+    """The settings `tune` searches for `method`: its search space (`config.search_space`) less the keys `fixed`
+    gives. Empty: the method runs no trial."""
+    return {key: declared for key, declared in search_space(method).items() if key not in fixed}
+
+
+def trial_stages(rounds: int) -> list[int]:
+    """The rounds after which a trial of `rounds` rounds reports its score (`STAGES`); each stage finishes the run
+    at that round, final evaluation included."""
+    return sorted({min(rounds, max(1, math.ceil(share * rounds))) for share in STAGES})
 
 
 def _optuna() -> Any:
@@ -314,8 +326,7 @@ class _Objective:
         self.study, self.space, self.fixed, self.trials = study, space, fixed, trials
         self.directory, self.console = directory, console
         self.method = base.method.method
-        rounds = base.federation.rounds
-        self.stages = sorted({min(rounds, max(1, math.ceil(share * rounds))) for share in STAGES})
+        self.stages = trial_stages(base.federation.rounds)
 
     def __call__(self, trial: optuna.Trial) -> float:
         optuna = _optuna()

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from peradapt.commands.estimate import estimate_sweep
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
 from peradapt.commands.reports import cost_panels, read_new_clients, read_ood
@@ -115,6 +116,7 @@ def compare(
     ood: str | None = None,
     ood_limit: int | None = None,
     test: PairedTestName = "t",
+    dry_run: bool = False,
 ) -> dict:
     """Tune (`tune_trials` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
 
@@ -122,7 +124,8 @@ def compare(
     method) is the method every other is tested against; `ood` names an OOD set to evaluate every run on;
     `tune_only` stops after the trials (a worker sharing the study through `storage`). `test`: the paired test
     (`evaluation.statistics.paired_difference`: t or wilcoxon), whose p are Holm-adjusted over the comparisons
-    shown together (each method against the reference; all pairs for the ranks)."""
+    shown together (each method against the reference; all pairs for the ranks). `dry_run`: instead, what the
+    sweep would run and about how long it would take here, with nothing written (`commands.estimate`)."""
     console = console or text_console(stderr=True)
     if test not in TEST_LABELS:
         raise ConfigError(f"unknown --test '{test}': use {' or '.join(TEST_LABELS)}")
@@ -133,6 +136,8 @@ def compare(
     if max(seeds) >= TUNING_SEED:
         raise ConfigError(f"--seeds must be below {TUNING_SEED}: seed {TUNING_SEED} is the trials' partition")
     settings = _with_holdout(settings, methods[0], console)
+    if dry_run:
+        return estimate_sweep(settings, methods, [] if tune_only else seeds, tune_trials)
     if settings.get("budget") is not None:
         _check_budget(settings, methods, seeds[0])
     tuning = (
