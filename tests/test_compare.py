@@ -104,19 +104,40 @@ def test_compare_over_seeds_gives_intervals_paired_tests_ranks_and_an_audit(
 
 def test_compare_adds_the_anchors_and_scores_held_out_clients(tmp_path, fmnist_dir, capsys, monkeypatch, home):
     out = tmp_path / "cmp"
-    args = compare_args(fmnist_dir, out, "--rounds", "1", "--ood", "fmnist-c", "--ood-limit", "5", methods="perada")
+    args = compare_args(
+        fmnist_dir,
+        out,
+        "--rounds",
+        "1",
+        "--ood",
+        "fmnist-c",
+        "--ood-limit",
+        "5",
+        "--stragglers",
+        "0.5",
+        methods="perada",
+    )
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 0, err
     result = read(out / "compare.json")
     rows = {row["method"]: row for row in result["rows"]}
     assert set(rows) == {"perada", "standalone", "fedavg-ft"}
+    assert result["audit"]["scenario"] == [{"participation": 1.0, "stragglers": 0.5}]  # every method's runs alike
     for method, row in rows.items():
         run = out / f"{method}-seed0"
         assert read(run / "config.json")["config"]["federation"]["holdout_clients"] == 1  # 10% of 4, rounded up
         report = read(run / "report.json")
         held_out = report["held_out_clients"]
-        after = [read(run / "new_clients" / str(c) / "result.json")["after"]["local_test"] for c in held_out]
+        results = [read(run / "new_clients" / str(c) / "result.json") for c in held_out]
+        after = [result["after"]["local_test"] for result in results]
         assert row["new_client"]["seeds"] == pytest.approx([100 * sum(after) / len(after)])
+        # every training sample counted: the rounds', the final personalization's, the new clients'; the server's
+        cost = report["cost"]
+        assert row["cost"]["client_samples"] == cost["client_samples"] + cost["personalization_samples"]
+        assert row["cost"]["new_client_samples"] == sum(result["cost"]["samples"] for result in results) > 0
+        assert row["cost"]["server_flops"] == cost["server_flops"]
+        assert (cost["server_flops"] > 0) == (method == "perada")
+        assert (cost["personalization_samples"] > 0) == (method == "fedavg-ft")
         gap = row["local_test"]["seeds"][0] - row["new_client"]["seeds"][0]
         assert row["new_client_gap"]["seeds"] == pytest.approx([gap])
         ood = read(run / "ood-fmnist-c.json")["average"]["personalized_mean"]  # as `peradapt eval --ood` writes it

@@ -98,12 +98,13 @@ def _load_run(run: Path) -> dict:
         "report": report,
         "scope": resolved.get("scope") or config.method.scope or "adapter",
         "metric": report.get("metric", "accuracy"),  # runs from before multi-label support are single-label
-        "history": _read_metrics(paths.metrics),
+        "history": read_metrics(paths.metrics),
         "ood": read_ood(run),
     }
 
 
-def _read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl, a record per round, each checked."""
     if not path.is_file():
         return []  # only the final evaluation to show
     remedy = f"write it again from the run's newest checkpoint with `peradapt train --out {path.parent} --resume`"
@@ -178,21 +179,23 @@ def _final(report: dict) -> dict[str, float]:
     }
 
 
+def round_curve(history: list[dict], report: dict, key: str) -> list[tuple[int, float]]:
+    """(round, percent) of a metrics.jsonl key at the run's evaluated rounds, in order; the last round's point is
+    the final evaluation (report.json), which every run has, even one trained with --eval-every 0."""
+    points = {int(record["round"]): 100 * float(record[key]) for record in history if key in record}
+    final = _final(report)
+    if key in final:
+        points[int(report["rounds"])] = final[key]  # the last round ends where report.json says
+    return sorted(points.items())
+
+
 def _plot_results(run: dict) -> RunResults:
     report = run["report"]
-    rounds = int(report["rounds"])
-    final = _final(report)
-    curves = {}
-    for key, _, _ in ROUND_METRICS:
-        points = {int(r["round"]): 100 * float(r[key]) for r in run["history"] if key in r}
-        if key in final:
-            points[rounds] = final[key]  # the last round ends where report.json says
-        curves[key] = sorted(points.items())
     return RunResults(
         label=run["label"],
-        rounds=rounds,
+        rounds=int(report["rounds"]),
         metric=run["metric"],
-        curves=curves,
+        curves={key: round_curve(run["history"], report, key) for key, _, _ in ROUND_METRICS},
         clients=list(report["clients"]),
         personalized_local=[100 * v for v in report["personalized"]["local_test"]["per_client"]],
         global_local=[100 * v for v in report["global"]["local_test"]["per_client"]],
@@ -207,7 +210,8 @@ def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
 
 
 def read_new_clients(run: Path) -> dict | None:
-    """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model."""
+    """Mean local-test % of the run's new clients (`peradapt personalize`) with the global and personalized model,
+    and the training samples and FLOPs of their personalization (where all of them recorded it)."""
     results = []
     for path in sorted(run.glob(f"{NEW_CLIENTS_DIR}/*/result.json")):
         remedy = f"delete {path.parent}, or personalize that client again with `peradapt personalize --run {run}`"
@@ -215,10 +219,16 @@ def read_new_clients(run: Path) -> dict | None:
         check(results[-1], {"before": {"local_test": float}, "after": {"local_test": float}}, path, remedy)
     if not results:
         return None
+    costs = [r["cost"] for r in results if "cost" in r]  # personalized before issue 36: not counted
     return {
         "clients": len(results),
         "before": float(np.mean([100 * r["before"]["local_test"] for r in results])),
         "after": float(np.mean([100 * r["after"]["local_test"] for r in results])),
+        **(
+            {"samples": sum(c["samples"] for c in costs), "flops": sum(c["flops"] for c in costs)}
+            if len(costs) == len(results)
+            else {}
+        ),
     }
 
 
