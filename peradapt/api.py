@@ -209,6 +209,7 @@ def compare(
     ood: str | None = None,
     ood_limit: int | None = None,
     test: str = "t",
+    target_accuracy: float | None = None,
     dry_run: bool = False,
     quiet: bool = False,
     console: Console | None = None,
@@ -216,7 +217,8 @@ def compare(
 ) -> dict:
     """Tune every method with `tune` trials on validation splits (0: their settings as given), train it on seeds
     0..seeds-1 (shared partitions), and return what OUT/compare.json holds (rows, ranks, trials, audit), also
-    written as compare.md and PNGs; finished runs and trials in `out` (or `storage`) are reused. See
+    written as compare.md and PNGs; finished runs and trials in `out` (or `storage`) are reused. `target_accuracy`:
+    the local-test % whose first round compare.json's `to_target` gives (default: 90% of the best final mean). See
     `peradapt.commands.comparison`. `dry_run`: instead, what the comparison would run and about how long it would
     take on this machine, with nothing written (`peradapt.commands.estimate.estimate_sweep`)."""
     from peradapt.commands.comparison import compare as run_compare
@@ -228,6 +230,8 @@ def compare(
         raise ConfigError("--tune-only runs trials: give their number with --tune N")
     if ood_limit is not None and ood is None:
         raise ConfigError("--ood-limit needs --ood NAME")
+    if target_accuracy is not None and not 0 < target_accuracy <= 100:  # `not`: NaN is refused too
+        raise ConfigError(f"--target-accuracy is a percentage: above 0 and at most 100, got {target_accuracy}")
     values: dict[str, Any] = read_config_file(Path(config_file)) if config_file else {}
     origins = setting_origins([(values, f"--config {config_file}")], settings)
     values.update(_as_text(settings))
@@ -246,6 +250,7 @@ def compare(
             ood=ood,
             ood_limit=ood_limit,
             test=test,  # type: ignore[arg-type]  # checked there, in one line
+            target_accuracy=target_accuracy,
             dry_run=dry_run,
         )
 

@@ -303,6 +303,15 @@ def compare(
             metavar="t|wilcoxon",
         ),
     ] = "t",
+    target_accuracy: Annotated[
+        float | None,
+        Opt(
+            help="The personalized local-test % whose first evaluated round (and client samples and bytes by then) "
+            "each method's curve is scored by, in the column 'rounds to'.",
+            show_default="90% of the best method's final mean",
+            metavar="PERCENT",
+        ),
+    ] = None,
     dry_run: DryRun = False,
     **settings: Any,
 ) -> None:
@@ -330,6 +339,7 @@ def compare(
         ood=ood,
         ood_limit=ood_limit,
         test=test,
+        target_accuracy=target_accuracy,
         dry_run=dry_run,
         console=err_console,
         **given_settings(settings),

@@ -11,9 +11,11 @@
    eval --ood`), each kept in the run directory like the commands' own results.
 4. **Rows**: per metric the mean over seeds with its 95% interval (`evaluation.statistics`), the paired difference
    to the reference method over the same seeds with a paired t-test, ranks that tie where the test cannot separate
-   methods, and the runs' costs (report.json `cost`).
-5. **Files**: compare.json (rows, ranks, every trial, the audit), compare.md, ranking.png and
-   accuracy_vs_cost.png.
+   methods, and the runs' costs (report.json `cost`); how fast each method learns (`evaluation.curves`): its
+   curve (local-test at every evaluated round, over seeds), the first round it reaches a target and the area
+   under its curve.
+5. **Files**: compare.json (rows, ranks, every trial, the audit), compare.md, ranking.png, accuracy_vs_cost.png
+   and the curves against rounds, client samples and bytes (curves_*.png).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from rich.text import Text
 from peradapt.commands.estimate import estimate_sweep
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
-from peradapt.commands.reports import cost_panels, read_new_clients, read_ood
+from peradapt.commands.reports import cost_panels, read_metrics, read_new_clients, read_ood, round_curve
 from peradapt.config import COMPARE_SETS, TrainConfig, method_path_label, setting_owners, settings_for_method
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
-from peradapt.evaluation.plots import RankedScore, plot_accuracy_vs_cost, plot_ranking
+from peradapt.evaluation.curves import Evaluation, area_per_round, first_reaching, mean_curve
+from peradapt.evaluation.plots import RankedScore, plot_accuracy_vs_cost, plot_curves, plot_ranking
 from peradapt.evaluation.statistics import (
     ALPHA,
     TEST_LABELS,
@@ -90,6 +93,21 @@ METRICS = (
     ),
     Metric("new_client_gap", "gap", "local-test minus new clients: what a client loses by joining after training"),
     Metric("ood", "OOD", "each trained client's personalized model on the OOD set (`peradapt eval --ood`); mean"),
+    Metric(
+        "local_test_auc",
+        "area under curve",
+        "as local-test, at every evaluated round (--eval-every; the last round's the final evaluation), the area "
+        "under it against rounds (trapezoid rule) over the rounds from the first evaluation to the last: the mean "
+        "score over training",
+    ),
+)
+ROUND_KEY = "personalized_local_test"  # PRIMARY as metrics.jsonl records it at an evaluated round
+TARGET_SHARE = 0.9  # the default target of "rounds to": this share of the best method's final mean local-test
+# (x field of a curve point, axis name, file): the curves against rounds and the cumulative costs
+CURVE_AXES = (
+    ("round", "rounds", "curves_rounds.png"),
+    ("client_samples", "client training samples, cumulative", "curves_client_samples.png"),
+    ("bytes", "bytes sent down and up, cumulative", "curves_bytes.png"),
 )
 # report.json `cost` entries the table shows, each a total per run (mean over seeds)
 COSTS = (
@@ -116,6 +134,7 @@ def compare(
     ood: str | None = None,
     ood_limit: int | None = None,
     test: PairedTestName = "t",
+    target_accuracy: float | None = None,
     dry_run: bool = False,
 ) -> dict:
     """Tune (`tune_trials` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
@@ -125,7 +144,9 @@ def compare(
     `tune_only` stops after the trials (a worker sharing the study through `storage`). `test`: the paired test
     (`evaluation.statistics.paired_difference`: t or wilcoxon), whose p are Holm-adjusted over the comparisons
     shown together (each method against the reference; all pairs for the ranks). `dry_run`: instead, what the
-    sweep would run and about how long it would take here, with nothing written (`commands.estimate`)."""
+    sweep would run and about how long it would take here, with nothing written (`commands.estimate`).
+    `target_accuracy`: the local-test (percent) that "rounds to" counts to (default: `TARGET_SHARE` of the best
+    method's final mean)."""
     console = console or text_console(stderr=True)
     if test not in TEST_LABELS:
         raise ConfigError(f"unknown --test '{test}': use {' or '.join(TEST_LABELS)}")
@@ -178,6 +199,12 @@ def compare(
     for rank in ranks:
         next(row for row in rows if row["method"] == rank.method)["rank"] = rank.label
     rows.sort(key=lambda row: [rank.method for rank in ranks].index(row["method"]))
+    curves = {row["method"]: mean_curve([fact["curve"] for fact in facts[row["method"]]]) for row in rows}
+    target = _target(target_accuracy, rows)
+    for row in rows:
+        row["curve"] = [point.as_dict() for point in curves[row["method"]]]
+        reached = first_reaching(curves[row["method"]], target["score"])
+        row["to_target"] = None if reached is None else reached.as_dict()
     result = {
         "settings": settings,
         "methods": methods,
@@ -188,6 +215,7 @@ def compare(
         "tune": tune_trials,
         "tuning_seed": TUNING_SEED if tune_trials else None,
         "tuning_tie_rule": TIE_RULE if tune_trials else None,
+        "target": target,
         "rows": rows,
         "ranks": [rank.as_dict() for rank in ranks],
         "tuning": tuning,
@@ -197,10 +225,12 @@ def compare(
     write_json_atomic(out / "compare.json", result)
     write_text_atomic(out / "compare.md", markdown_table(result))
     plot_ranking([_ranked(row) for row in rows], PRIMARY.label, reference, out / "ranking.png")
+    y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
     costed = [{"report": fact["report"]} for method in methods for fact in facts[method] if fact["cost"]]
     if costed:
-        y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
         plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png")
+    for x, x_name, name in CURVE_AXES:
+        plot_curves(curves, x, x_name, y_name, target["score"], out / name)
     return result
 
 
@@ -309,7 +339,36 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
         facts["new_client_gap"] = facts["local_test"] - facts["new_client"]
     if ood is not None:
         facts["ood"] = read_ood(run)[ood]["personalized"]
-    return {**facts, "cost": _spent(report.get("cost")), "report": report}
+    curve = _evaluations(run, report)
+    facts["local_test_auc"] = area_per_round(curve)
+    return {**facts, "cost": _spent(report.get("cost")), "report": report, "curve": curve}
+
+
+def _evaluations(run: Path, report: dict) -> list[Evaluation]:
+    """The run's local-test (percent) at each evaluated round, the last round's from report.json, with the client
+    samples and bytes spent up to it (metrics.jsonl `cost`; None from a round recorded before costs were on)."""
+    history = read_metrics(RunPaths(run).metrics)
+    spent: dict[int, tuple[int, int]] = {}
+    samples = sent = 0
+    for record in history:
+        if "cost" not in record:  # a sum that misses a round would understate every later one
+            break
+        samples += record["cost"]["client_samples"]
+        sent += record["cost"]["bytes_down"] + record["cost"]["bytes_up"]
+        spent[record["round"]] = (samples, sent)
+    return [
+        Evaluation(played, score, *spent.get(played, (None, None)))
+        for played, score in round_curve(history, report, ROUND_KEY)
+    ]
+
+
+def _target(given: float | None, rows: list[dict]) -> dict:
+    """The local-test (percent) that "rounds to" counts to, and the rule that set it: --target-accuracy, else
+    `TARGET_SHARE` of the best method's final mean, which the best method reaches by its end at the latest."""
+    if given is not None:
+        return {"score": given, "rule": "given (--target-accuracy)"}
+    best = max(row[PRIMARY.key]["mean"] for row in rows)
+    return {"score": TARGET_SHARE * best, "rule": f"{TARGET_SHARE:.0%} of the best method's final mean {PRIMARY.label}"}
 
 
 def _spent(cost: dict | None) -> dict:
@@ -441,7 +500,16 @@ def _cost(row: dict, key: str, scale: float) -> str:
 
 
 # The columns a terminal shows besides the headline and its test (compare.md has them all)
-TERMINAL_COLUMNS = ("rank", "method", "worst 10%", "global-test of w", "new clients", "MB sent", "client TFLOPs")
+TERMINAL_COLUMNS = (
+    "rank",
+    "method",
+    "worst 10%",
+    "global-test of w",
+    "new clients",
+    "area under curve",
+    "MB sent",
+    "client TFLOPs",
+)
 COUNTS = (("personalized", "# personal"), ("trained", "# trained"), ("communicated", "# sent"))  # PerAda's Table 1
 
 
@@ -453,6 +521,11 @@ def _parameters(row: dict, key: str) -> str:
 
 def _score_of(row: dict, key: str) -> str:
     return _score(row.get(key))
+
+
+def _rounds_to(row: dict) -> str:
+    reached = row["to_target"]
+    return "not reached" if reached is None else f"{reached['round']:g}"
 
 
 def _columns(result: dict) -> list[tuple[str, Callable[[dict], str], bool]]:
@@ -473,6 +546,7 @@ def _columns(result: dict) -> list[tuple[str, Callable[[dict], str], bool]]:
     for metric in METRICS[1:]:
         if any(metric.key in row for row in rows):
             columns.append((metric.label, partial(_score_of, key=metric.key), metric.label in TERMINAL_COLUMNS))
+    columns.append((f"rounds to {result['target']['score']:.2f}%", _rounds_to, True))  # its header names the target
     for key, label, scale in COSTS:
         if any(key in row["cost"] for row in rows):
             columns.append((label, partial(_cost, key=key, scale=scale), label in TERMINAL_COLUMNS))
@@ -512,6 +586,7 @@ def markdown_table(result: dict) -> str:
         "",
         "What each number scored: "
         + "; ".join(f"**{m.label}**: {m.scored}" for m in METRICS if m.key in result["audit"]["scored"])
-        + f". Models: {SELECTION}.",
+        + f"; **rounds to**: the first evaluated round at which the seeds' mean local-test reaches "
+        f"{result['target']['score']:.2f}% ({result['target']['rule']}). Models: {SELECTION}.",
     ]
     return "\n".join(lines) + "\n"

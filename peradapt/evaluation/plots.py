@@ -1,4 +1,5 @@
-"""PNG plots of finished runs: accuracy per round, per client and against cost, for `peradapt report`.
+"""PNG plots of finished runs: accuracy per round, per client and against cost, for `peradapt report`; the
+ranking and the methods' curves over seeds, for `peradapt compare`.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no display, no global backend switch) at a
 fixed size, so every plot of a kind has the same pixel size whatever it shows.
@@ -7,10 +8,11 @@ fixed size, so every plot of a kind has the same pixel size whatever it shows.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peradapt.evaluation.curves import CurvePoint
 from peradapt.rundir.checkpoint import replaced_by_temporary
 
 DPI = 100
@@ -203,10 +205,16 @@ def plot_ranking(scores: list[RankedScore], metric: str, reference: str, path: P
 CostPoint = tuple[str, float, float]  # (label, cost, score): one run
 
 
+def _cost_scale(axis, costs: Sequence[float]) -> None:
+    """A logarithmic cost axis where every cost is positive: methods differ by orders of magnitude (an adapter
+    against a whole model); standalone sends nothing, and zero has no place on a log axis."""
+    if costs and all(cost > 0 for cost in costs):
+        axis.set_xscale("log")
+
+
 def plot_accuracy_vs_cost(panels: Sequence[tuple[str, Sequence[CostPoint]]], y_name: str, path: Path) -> Path:
     """A panel per kind of cost, given as its axis name and its points: each run's score against what it cost, the
-    point labelled and coloured by its label (a method: its seeds share a colour). The cost axis is logarithmic
-    where every cost is positive, as methods differ by orders of magnitude (an adapter against a whole model)."""
+    point labelled and coloured by its label (a method: its seeds share a colour), on a `_cost_scale` axis."""
     labels = list(dict.fromkeys(label for _, points in panels for label, _, _ in points))
     colors = dict(zip(labels, _colors(len(labels)), strict=True))
     figure = _figure(ROUNDS_SIZE)
@@ -214,11 +222,48 @@ def plot_accuracy_vs_cost(panels: Sequence[tuple[str, Sequence[CostPoint]]], y_n
         for label, x, y in points:
             axis.plot([x], [y], "o", markersize=7, color=colors[label])
             axis.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
-        if points and all(x > 0 for _, x, _ in points):
-            axis.set_xscale("log")
+        _cost_scale(axis, [x for _, x, _ in points])
         axis.set_xlabel(x_name)
         axis.set_ylabel(y_name)
         axis.grid(alpha=0.3)
     figure.suptitle(f"{y_name} against cost (one point per run)", fontsize=11)
+    _save(figure, path)
+    return path
+
+
+def plot_curves(
+    curves: Mapping[str, Sequence[CurvePoint]], x: str, x_name: str, y_name: str, target: float, path: Path
+) -> Path:
+    """A line per method through its seeds' mean score at each evaluation against `x` (a `CurvePoint` field:
+    round, client_samples or bytes), shaded over the seeds' range, with the target as a dotted line. A method whose
+    runs lack that cost is left out; cost axes are `_cost_scale`d."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    figure = _figure(ROUNDS_SIZE)
+    axis = figure.subplots()
+    drawn = {method: curve for method, curve in curves.items() if all(getattr(p, x) is not None for p in curve)}
+    handles = []
+    for (method, curve), color in zip(drawn.items(), _colors(len(drawn)), strict=True):
+        xs = [getattr(point, x) for point in curve]
+        axis.fill_between(xs, [p.low for p in curve], [p.high for p in curve], color=color, alpha=0.2, lw=0)
+        axis.plot(xs, [p.mean for p in curve], "o-", markersize=4, color=color)
+        handles.append(Line2D([], [], color=color, marker="o", label=method))
+    axis.axhline(target, color="black", ls=":", lw=1)
+    handles += [
+        Patch(color="grey", alpha=0.3, label="min to max over seeds"),
+        Line2D([], [], color="black", ls=":", label=f"target {target:.1f}%"),
+    ]
+    if x == "round":
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        _cost_scale(axis, [getattr(point, x) for curve in drawn.values() for point in curve])
+    axis.set_xlabel(x_name)
+    axis.set_ylabel(f"{y_name}\n(line: mean over seeds; shaded: min to max)")
+    axis.grid(alpha=0.3)
+    _legend(figure, handles, len(handles))
+    axis.set_title("a point per evaluated round (--eval-every), the last the final evaluation", fontsize=9)
+    figure.suptitle(f"{y_name} against {x_name}", fontsize=11)
     _save(figure, path)
     return path
