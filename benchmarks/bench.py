@@ -36,12 +36,12 @@ import torch.nn.functional as F
 
 from peradapt.adapters import AdaptedModel, AdapterState, inject_adapters
 from peradapt.backbones import BackboneInfo, create_backbone, freeze, save_backbone
-from peradapt.commands.estimate import validation_checks
 from peradapt.compute.concurrent import ConcurrentSGD
 from peradapt.compute.trainer import InputPipeline, LocalTrainer, Objective, SGDJob
 from peradapt.config import DistillConfig, MethodConfig, TrainConfig
 from peradapt.data import ClientData, ImageSet
 from peradapt.distill import Distiller, ensemble_logits
+from peradapt.distill.kd import validation_checks
 from peradapt.federation.session import CLIENT_SAMPLE
 from peradapt.methods import MethodContext, build_method
 from peradapt.methods.base import LocalSGDMethod, Method

@@ -46,10 +46,13 @@ def test_train_dry_run_counts_rounds_and_samples_by_hand_and_writes_nothing(
     assert estimate["hours_unit"] == "hours on this CPU" and not estimate["gpu"]
     assert "fedavg" in stdout and "1,200" in stdout and "hours on this CPU" in stdout
 
-    # --budget: the rounds stop once the samples reach it, as the engine stops them (400 < 500, then 800)
+    # --budget: round 1 trains 400, round 2 the 100 left (its clients a quarter of their work each), as the engine
     budget = peradapt.train(**flat, budget="client-samples:500", dry_run=True)
-    assert (budget["rows"][0]["rounds"], budget["rows"][0]["client_samples"]) == (2, 800)
+    assert (budget["rows"][0]["rounds"], budget["rows"][0]["client_samples"]) == (2, 500)
     assert budget["seconds"] < estimate["seconds"]
+    # fedavg-ft: and, after the rounds, one epoch of fine-tuning of each of the 4 clients' models (as --budget counts)
+    tuned = peradapt.train(**{**flat, "method": "fedavg-ft"}, dry_run=True)
+    assert tuned["rows"][0]["client_samples"] == 1200 + 4 * 100
     assert not out.exists()
 
 

@@ -7,8 +7,12 @@ and final evaluation (`engine._finish`) would do it:
 
 - each round, the clients it samples (`seeds.sample_clients`), those the method trains (`Method.clients_to_train`)
   and the training samples of each (`Method.client_samples_bound`: exact for local SGD by epochs or steps, an upper
-  figure where a method's work varies); the rounds stop once --budget client-samples:N is reached, as the engine
-  stops them;
+  figure where a method's work varies); under --budget client-samples:N the final personalization is set aside and
+  the last round's clients do the share of their work that is left, as the engine does (`engine.budget_share`);
+  every client answers and none straggles (--participation and --stragglers only lower the work);
+- the personalization a method trains when it hands out a client's model (`Method.personalization_samples`:
+  fine-tuning), at each evaluation and after the rounds: in the client samples (the final one, as --budget counts
+  it) and in the time (both);
 - the distillation steps of the rounds that distill (`Distiller.active`) and their validation checks
   (`validation_checks`);
 - the images scored: every --eval-every rounds the evaluated clients' test splits with their personalized and the
@@ -33,15 +37,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from rich.table import Table
 
-from peradapt.config import DistillConfig, TrainConfig, settings_for_method
-from peradapt.federation.engine import budget_limit, check_budget
+from peradapt.config import TrainConfig, settings_for_method
+from peradapt.distill.kd import validation_checks
+from peradapt.federation.engine import budget_limit, check_budget, personalization_reserve
 from peradapt.federation.session import Session, build_session
 from peradapt.progress import counted
 from peradapt.seeds import sample_clients
 from peradapt.tuning import TUNING_SEED, searched, trial_stages
 
 TIMED_STEPS = 3  # client and distillation steps timed after a warm-up one: enough for a median-free mean of a few
-NOT_COUNTED = "not counted: fine-tuning at evaluation, new clients, OOD sets, checkpoints and exports"
+NOT_COUNTED = "not counted: new clients, OOD sets, checkpoints and exports; every client answering and none straggling"
 
 
 @dataclass(frozen=True)
@@ -92,14 +97,6 @@ class Estimate:
     units: UnitTimes
 
 
-def validation_checks(config: DistillConfig) -> int:
-    """The most validation checks one `Distiller.distill` makes (fewer where --kd-patience stops it): the starting
-    state's, then one every --kd-eval-every steps (default a tenth of --kd-steps) and one after the last, as
-    `Distiller.distill` checks."""
-    every = config.kd_eval_every or max(1, config.kd_steps // 10)
-    return 1 + -(-config.kd_steps // every)
-
-
 def counted_work(session: Session, final_evaluations: int = 1) -> Work:
     """The work of the run of `session` (see the module's docstring); `final_evaluations`: how many times it
     finishes (a trial finishes at each of its stages)."""
@@ -111,33 +108,48 @@ def counted_work(session: Session, final_evaluations: int = 1) -> Work:
     limit = budget_limit(config)
     bounds = {client.client_id: method.client_samples_bound(client) for client in federated}
     known = None not in bounds.values()
-    batch = session.trainer.batch_size
-    samples = steps = rounds = distilling = 0
+    budgeted = limit is not None and known and session.trainer.privacy is None  # as `engine.budget_share` cuts
+    reserve = personalization_reserve(session)  # the final personalization, which --budget sets aside
+    samples = steps = rounds = distilling = 0.0
     for round_index in range(fed.rounds):
-        if limit is not None and known and samples >= limit:
-            break  # as `_run_rounds` stops: before the round after the one that reached the budget
+        if budgeted and samples + reserve >= limit:  # type: ignore[operator]
+            break  # as `_run_rounds` stops: after the round that reached the budget (or took what was left of it)
         rounds += 1
         sampled = sample_clients(config.seed, round_index, len(federated), fed.clients_per_round)
-        for client_id in method.clients_to_train(sampled, federated_ids):
-            bound, size = bounds[client_id] or 0, len(session.data.clients[client_id].train)
-            samples += bound
-            # its bound's passes over its data, each of ceil(n / B) steps (a last partial batch is a step too)
-            steps += -(-bound * -(-size // batch) // size) if size else 0
+        trained = method.clients_to_train(sampled, federated_ids)
+        planned = sum(bounds[client_id] or 0 for client_id in trained)
+        left = limit - reserve - samples if budgeted else planned  # type: ignore[operator]
+        share = min(1.0, left / planned) if planned else 1.0  # the last round of a budget: a share of the work
+        for client_id in trained:
+            samples += share * (bounds[client_id] or 0)
+            steps += share * _steps(bounds[client_id] or 0, len(session.data.clients[client_id].train), session)
         distilling += bool(distiller and distiller.active(round_index))
-    test = len(session.data.global_test)
+        if share < 1:
+            break
+    evaluations = int(rounds) // fed.eval_every if fed.eval_every else 0
     evaluated = session.client_sample
+    # fine-tuning at evaluation (`Method.personalization_samples`): each evaluation's, and the final one's
+    tuned = {client.client_id: method.personalization_samples(client) for client in federated}
+    steps += evaluations * sum(_steps(tuned[c.client_id], len(c.train), session) for c in evaluated)
+    steps += final_evaluations * sum(_steps(tuned[c.client_id], len(c.train), session) for c in federated)
+    test = len(session.data.global_test)
     evaluation = 2 * sum(len(client.test) for client in evaluated) + test  # personalized and global; global
     final = 2 * sum(len(client.test) for client in federated) + test + len(evaluated) * test
-    evaluations = rounds // fed.eval_every if fed.eval_every else 0
     checks = validation_checks(config.distill) * len(distiller.val_data) if distiller else 0
     return Work(
-        rounds=rounds,
-        client_samples=samples if known else None,
-        client_steps=steps if known else None,
-        distilling_rounds=distilling,
-        distillation_steps=distilling * config.distill.kd_steps,
-        scored_images=evaluations * evaluation + final_evaluations * final + distilling * checks,
+        rounds=int(rounds),
+        client_samples=round(samples) + reserve if known else None,
+        client_steps=round(steps) if known else None,
+        distilling_rounds=int(distilling),
+        distillation_steps=int(distilling) * config.distill.kd_steps,
+        scored_images=evaluations * evaluation + final_evaluations * final + int(distilling) * checks,
     )
+
+
+def _steps(samples: int, size: int, session: Session) -> float:
+    """The minibatch steps of `samples` training samples in passes over a client's `size` images, each pass of
+    ceil(size / B) steps (a last partial batch is a step too)."""
+    return samples * -(-size // session.trainer.batch_size) / size if size else 0.0
 
 
 def measured(session: Session) -> UnitTimes:

@@ -88,6 +88,17 @@ def multilabel_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return kl.mean() * temperature**2
 
 
+def check_interval(config: DistillConfig) -> int:
+    """Distillation steps between two validation checks: --kd-eval-every, or a tenth of --kd-steps."""
+    return config.kd_eval_every or max(1, config.kd_steps // 10)
+
+
+def validation_checks(config: DistillConfig) -> int:
+    """The most validation checks one `Distiller.distill` makes (fewer where --kd-patience stops it): the starting
+    state's, then one every `check_interval` steps and one after the last."""
+    return 1 + -(-config.kd_steps // check_interval(config))
+
+
 @dataclass
 class Distiller:
     trainer: LocalTrainer
@@ -126,7 +137,7 @@ class Distiller:
         assert inputs is not None
         model = trainer.model
         steps = config.kd_steps
-        check_every = config.kd_eval_every or max(1, steps // 10)
+        check_every = check_interval(config)
         loss_of = multilabel_kd_loss if config.kd_loss == "bernoulli" else kd_loss
         training_mode = config.kd_mode == "train"
         set_mode = model.train if training_mode else model.eval  # for teachers and student alike, at every step
