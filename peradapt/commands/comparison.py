@@ -109,11 +109,14 @@ CURVE_AXES = (
     ("client_samples", "client training samples, cumulative", "curves_client_samples.png"),
     ("bytes", "bytes sent down and up, cumulative", "curves_bytes.png"),
 )
-# report.json `cost` entries the table shows, each a total per run (mean over seeds)
+# report.json `cost` entries the table shows, each a total per run (mean over seeds); the clients' work includes the
+# personalization the method trains when it hands out their models (what --budget counts)
 COSTS = (
     ("bytes_total", "MB sent", 1e-6),
     ("client_samples", "client samples", 1.0),
     ("client_flops", "client TFLOPs", 1e-12),
+    ("server_flops", "server TFLOPs", 1e-12),
+    ("new_client_samples", "new-client samples", 1.0),
     ("client_seconds", "client s", 1.0),
     ("server_seconds", "server s", 1.0),
 )
@@ -341,7 +344,7 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
         facts["ood"] = read_ood(run)[ood]["personalized"]
     curve = _evaluations(run, report)
     facts["local_test_auc"] = area_per_round(curve)
-    return {**facts, "cost": _spent(report.get("cost")), "report": report, "curve": curve}
+    return {**facts, "cost": _spent(report.get("cost"), new_clients), "report": report, "curve": curve}
 
 
 def _evaluations(run: Path, report: dict) -> list[Evaluation]:
@@ -371,8 +374,9 @@ def _target(given: float | None, rows: list[dict]) -> dict:
     return {"score": TARGET_SHARE * best, "rule": f"{TARGET_SHARE:.0%} of the best method's final mean {PRIMARY.label}"}
 
 
-def _spent(cost: dict | None) -> dict:
-    """A run's costs as the table shows them; none for a run trained before peradapt recorded them."""
+def _spent(cost: dict | None, new_clients: dict | None) -> dict:
+    """A run's costs as the table shows them, with its new clients' personalization (`new_clients`, as
+    `read_new_clients` gives it); none for a run trained before peradapt recorded them."""
     if cost is None:
         return {}
     timing = cost["timing"]
@@ -380,8 +384,11 @@ def _spent(cost: dict | None) -> dict:
         "bytes_up": cost["bytes_up"],
         "bytes_down": cost["bytes_down"],
         "bytes_total": cost["bytes_up"] + cost["bytes_down"],
-        "client_samples": cost["client_samples"],
-        "client_flops": cost["client_flops"],
+        # the rounds' and the final personalization's (runs from before issue 36 counted the rounds' alone)
+        "client_samples": cost["client_samples"] + cost.get("personalization_samples", 0),
+        "client_flops": cost["client_flops"] + cost.get("personalization_flops", 0),
+        **({"server_flops": cost["server_flops"]} if cost.get("server_flops") is not None else {}),
+        **({"new_client_samples": new_clients["samples"]} if new_clients and "samples" in new_clients else {}),
         "client_seconds": timing["client_seconds"],
         "server_seconds": timing["aggregation_seconds"] + timing["distillation_seconds"],
         "peak_rss_bytes": timing["peak_rss_bytes"],
@@ -438,10 +445,13 @@ def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str |
             report = fact["report"]
             if "partition_sha256" in report:  # not in runs trained before peradapt recorded it
                 partitions.setdefault(report["seed"], set()).add(report["partition_sha256"])
+    scenarios: set[tuple[float, float]] = set()
     for method_runs in runs.values():
         for run in method_runs:
-            for package, version in read_run_config(run)[1].get("versions", {}).items():
+            config, resolved = read_run_config(run)
+            for package, version in resolved.get("versions", {}).items():
                 versions.setdefault(package, set()).add(version)
+            scenarios.add((config.federation.participation, config.federation.stragglers))
     for seed, hashes in partitions.items():
         if len(hashes) > 1:  # the methods' runs of a seed did not see the same clients: the pairing would be void
             raise RunError(
@@ -452,6 +462,8 @@ def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str |
         "selection": SELECTION,
         "partition_sha256": {str(seed): hashes.pop() for seed, hashes in sorted(partitions.items())},
         "versions": {package: sorted(found) for package, found in sorted(versions.items())},
+        # the system heterogeneity every run trained under (train settings: the same for every method)
+        "scenario": [{"participation": p, "stragglers": f} for p, f in sorted(scenarios)],
         "runs": {method: [str(run) for run in method_runs] for method, method_runs in runs.items()},
     }
 
