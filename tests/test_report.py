@@ -68,6 +68,8 @@ def test_report_of_one_run_writes_plots_and_tables_beside_it(runs, capsys, monke
             "clients": 1,
             "before": 100 * new_client["before"]["local_test"],
             "after": 100 * new_client["after"]["local_test"],
+            "samples": new_client["cost"]["samples"],  # its personalization's work
+            "flops": new_client["cost"]["flops"],
         }
     )
     table = (perada / "summary.md").read_text()
