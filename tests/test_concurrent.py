@@ -20,7 +20,7 @@ from peradapt.compute.trainer import InputPipeline, LocalTrainer, ParameterGroup
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.federation.engine import LocalClients
+from peradapt.federation.engine import LocalClients, RoundTask
 from peradapt.methods import METHODS
 from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
 from peradapt.methods.partial import personal_keys
@@ -593,7 +593,8 @@ def assert_same_rounds(method: str, alone, together, shares: dict[int, float] | 
         for way, session in sessions.items():
             payloads = {c: session.method.payload(c, global_state) for c in sampled}
             finished: list[int] = []
-            updates[way] = clients[way].train(round_index, sampled, payloads, finished.append, shares or {})
+            task = RoundTask(round_index, sampled, payloads, shares or {})
+            updates[way] = clients[way].train(task, finished.append)
             assert sorted(finished) == sampled  # the progress bar advances once per client, told which
         for update, expected in zip(updates["together"], updates["alone"], strict=True):
             assert update.client_id == expected.client_id

@@ -228,11 +228,13 @@ def train_on_grid(values: dict, grid: Grid, *, resume: bool = False) -> dict:
 
 
 def test_supernodes_keep_their_own_clients_state_apfl(tmp_path, fmnist_dir, server_identity, home):
-    values = settings(fmnist_dir, tmp_path / "builtin", method="apfl", scope="adapter")
+    # with stragglers: a node's client does the share of its work the server's message says, as the builtin engine's
+    values = settings(fmnist_dir, tmp_path / "builtin", method="apfl", scope="adapter", stragglers=0.5)
     engine.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
     flower = tmp_path / "flower"
     train_on_grid({**values, "out": str(flower), "engine": "flower"}, InProcessGrid(two_supernodes(tmp_path)))
     assert_same_results(tmp_path / "builtin", flower)
+    assert all(len(record["stragglers"]) == 1 for record in metrics(flower))  # 1 of each round's 2 clients
 
     # Node k got the run's files and holds APFL's v_m and α_m for its clients c (c mod 2 = k), nobody else's;
     # the server's run directory holds no client state at all.

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -329,21 +329,27 @@ def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict
     return _finish(run.session, global_state, run.history, run.paths, console, clients, flops, tracking=run.tracking)
 
 
+@dataclass(frozen=True)
+class RoundTask:
+    """What a round asks of its clients: those `trained` (in the order their updates come back), each from its
+    payload (`Method.payload`: most often the one global state object for all), doing its share of its local work
+    (`shares`, `LocalTrainer.work_share`: a straggler's, a --budget's last round; a client not there does all)."""
+
+    round_index: int
+    trained: list[int]
+    payloads: dict[int, AdapterState]
+    shares: dict[int, float] = field(default_factory=dict)
+
+    def share(self, client_id: int) -> float:
+        return self.shares.get(client_id, 1.0)
+
+
 class Clients(Protocol):
     """Where the clients' side of the rounds runs: in this process (`LocalClients`, the builtin engine) or in
     Flower ClientApps (`peradapt.flower`). Both play each client with `play_client`."""
 
-    def train(
-        self,
-        round_index: int,
-        trained: list[int],
-        payloads: dict[int, AdapterState],
-        on_client: Callable[[int], None],
-        shares: dict[int, float],
-    ) -> list[ClientUpdate]:
-        """The updates of the clients `trained`, each from its payload (`Method.payload`: most often the one global
-        state object for all) and doing its share of its local work (`shares`, `LocalTrainer.work_share`; a client
-        not there does all of it), in the order of `trained`; `on_client(client_id)` as each client finishes."""
+    def train(self, task: RoundTask, on_client: Callable[[int], None]) -> list[ClientUpdate]:
+        """The updates of the clients `task.trained`, in their order; `on_client(client_id)` as each finishes."""
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int
@@ -365,30 +371,21 @@ class LocalClients:
         self.concurrent = concurrent_training(session, console)  # with how many clients train at once
         self._traffic: dict = {}
 
-    def train(
-        self,
-        round_index: int,
-        trained: list[int],
-        payloads: dict[int, AdapterState],
-        on_client: Callable[[int], None],
-        shares: dict[int, float],
-    ) -> list[ClientUpdate]:
+    def train(self, task: RoundTask, on_client: Callable[[int], None]) -> list[ClientUpdate]:
         updates = []
         if self.concurrent is None:
-            for client_id in trained:
-                share = shares.get(client_id, 1.0)
-                updates.append(play_client(self.session, client_id, payloads[client_id], round_index, share))
+            for client_id in task.trained:
+                payload = task.payloads[client_id]
+                updates.append(play_client(self.session, client_id, payload, task.round_index, task.share(client_id)))
                 on_client(client_id)
         else:
             concurrent, together = self.concurrent
-            for start in range(0, len(trained), together):
-                group = trained[start : start + together]
-                updates += play_clients_together(
-                    self.session, concurrent, group, payloads, round_index, on_client, shares
-                )
+            for start in range(0, len(task.trained), together):
+                group = task.trained[start : start + together]
+                updates += play_clients_together(self.session, concurrent, group, task, on_client)
         # What a deployment would send: the payload's tensors and the upload's, as they are (their bytes).
         self._traffic = {
-            "bytes_down": [state_bytes(payloads[client_id]) for client_id in trained],
+            "bytes_down": [state_bytes(task.payloads[client_id]) for client_id in task.trained],
             "bytes_up": [state_bytes(update.upload) for update in updates],
         }
         return updates
@@ -422,17 +419,15 @@ def play_clients_together(
     session: Session,
     concurrent: ConcurrentSGD,
     client_ids: list[int],
-    payloads: dict[int, AdapterState],
-    round_index: int,
+    task: RoundTask,
     on_client: Callable[[int], None],
-    shares: dict[int, float],
 ) -> list[ClientUpdate]:
-    """`play_client` for each of `client_ids`, their SGD jobs trained at once (`concurrent_training`), each doing
-    its share of its work (`shares`: all where not there); `on_client(client_id)` is called as each finishes."""
-    method = session.method
+    """`play_client` for each of `client_ids` (of those `task` trains), their SGD jobs trained at once
+    (`concurrent_training`); `on_client(client_id)` is called as each finishes."""
+    method, seed = session.method, session.config.seed
     assert isinstance(method, LocalSGDMethod), "concurrent_training serves only methods that train by SGD jobs"
     steps = [
-        method.client_steps(session.data.clients[c], payloads[c], derive_seed(session.config.seed, round_index, c))
+        method.client_steps(session.data.clients[c], task.payloads[c], derive_seed(seed, task.round_index, c))
         for c in client_ids
     ]
     samples = [0] * len(client_ids)
@@ -442,7 +437,7 @@ def play_clients_together(
         on_client(client_ids[index])
 
     started = time.perf_counter()
-    updates = concurrent.run_steps(steps, on_finished=finished, shares=[shares.get(c, 1.0) for c in client_ids])
+    updates = concurrent.run_steps(steps, on_finished=finished, shares=[task.share(c) for c in client_ids])
     seconds = (time.perf_counter() - started) / len(client_ids)  # one pass for all: its time shared out evenly
     for update, trained in zip(updates, samples, strict=True):
         update.work = ClientWork(trained, seconds)
@@ -630,9 +625,8 @@ def _run_rounds(
                 shares = {client_id: shares.get(client_id, 1.0) * cut for client_id in trained}
             payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
             clients_bar = progress.add_task(f"round {round_index + 1}: clients", total=len(trained), samples=0)
-            updates = clients.train(
-                round_index, trained, payloads, _client_progress(session, progress, clients_bar), shares
-            )
+            task = RoundTask(round_index, trained, payloads, shares)
+            updates = clients.train(task, _client_progress(session, progress, clients_bar))
             progress.remove_task(clients_bar)
             by_client = {update.client_id: update for update in updates}
             kd_steps = config.distill.kd_steps if distiller and distiller.active(round_index) else 0

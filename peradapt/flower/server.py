@@ -26,7 +26,7 @@ from peradapt.adapters import AdapterState
 from peradapt.config import TrainConfig, read_config_file
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, RunError
-from peradapt.federation.engine import PreparedRun, opened_run, resume_config, run_federation
+from peradapt.federation.engine import PreparedRun, RoundTask, opened_run, resume_config, run_federation
 from peradapt.flower import records as r
 from peradapt.flower.strategy import PeradaptStrategy
 from peradapt.methods import ClientUpdate
@@ -50,17 +50,10 @@ class FlowerClients:
         self.stopped = stopped  # the simulation runtime has ended: no reply will come
         self._connected = False
 
-    def train(
-        self,
-        round_index: int,
-        trained: list[int],
-        payloads: dict[int, AdapterState],
-        on_client: Callable[[int], None],
-        shares: dict[int, float],
-    ) -> list[ClientUpdate]:
+    def train(self, task: RoundTask, on_client: Callable[[int], None]) -> list[ClientUpdate]:
         self._connect()
-        messages = self.strategy.configure_train(round_index, trained, payloads, shares)
-        return self.strategy.aggregate_train(trained, self._exchange(messages, "client", on_client))
+        messages = self.strategy.configure_train(task)
+        return self.strategy.aggregate_train(task.trained, self._exchange(messages, "client", on_client))
 
     def personalized(
         self, clients: Sequence[ClientData], global_state: AdapterState, *, played: int, checkpointed: int

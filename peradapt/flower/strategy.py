@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from peradapt.adapters import AdapterState
 from peradapt.compute.costs import ClientWork
 from peradapt.errors import ConfigError
+from peradapt.federation.engine import RoundTask
 from peradapt.federation.session import Session
 from peradapt.flower import records as r
 from peradapt.methods import ClientUpdate
@@ -76,23 +77,17 @@ class PeradaptStrategy:
 
     # ------------------------------------------------------------ train
 
-    def configure_train(
-        self,
-        round_index: int,
-        trained: Sequence[int],
-        payloads: dict[int, AdapterState],
-        shares: dict[int, float],
-    ) -> list[tuple[int, Message]]:
-        """A message per client with its payload and the share of its local work it does (`shares`: all where not
-        there); clients sent the same state object (most often the global adapter, sent to all) share one record,
-        which a SuperLink stores once."""
+    def configure_train(self, task: RoundTask) -> list[tuple[int, Message]]:
+        """A message per trained client with its payload, its round and the share of its local work it does;
+        clients sent the same state object (most often the global adapter, sent to all) share one record, which a
+        SuperLink stores once."""
         records: dict[int, ArrayRecord] = {}
-        for client in trained:
-            state = payloads[client]
+        for client in task.trained:
+            state = task.payloads[client]
             if id(state) not in records:
                 records[id(state)] = r.to_record(state)
-        arrays = {client: records[id(payloads[client])] for client in trained}
-        self._down = {client: arrays[client].count_bytes() for client in trained}
+        arrays = {client: records[id(task.payloads[client])] for client in task.trained}
+        self._down = {client: arrays[client].count_bytes() for client in task.trained}
         self._up, self._evaluation = {}, 0
         return [
             (
@@ -101,10 +96,10 @@ class PeradaptStrategy:
                     r.TRAIN,
                     client,
                     arrays[client],
-                    {r.ROUND: round_index, r.CLIENT: client, r.SHARE: shares.get(client, 1.0)},
+                    {r.ROUND: task.round_index, r.CLIENT: client, r.SHARE: task.share(client)},
                 ),
             )
-            for client in trained
+            for client in task.trained
         ]
 
     def aggregate_train(self, trained: Sequence[int], replies: dict[int, Message]) -> list[ClientUpdate]:
