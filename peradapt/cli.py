@@ -583,7 +583,7 @@ def list_methods(
 
     console = out_console if out_console.is_terminal else text_console(width=200)
     if name is not None:
-        _print_method(name, method_class(name), console)
+        _print_method(name, method_class(name, asked_as="method"), console)
         return
     table = Table(title="methods (`peradapt methods NAME`: one in full; `peradapt train --method NAME`)")
     for column in ("method", "summary (paper)", "scope", "server mean", "own settings [default]", "source"):
@@ -593,6 +593,8 @@ def list_methods(
         aggregation = str(cls.default_aggregation or "none")
         table.add_row(method, cls.summary, cls.default_scope, aggregation, "\n".join(own), METHODS.source(method))
     console.print(table)
+    for method, error in METHODS.broken().items():  # listed, not fatal: only the commands that name it fail
+        console.print(f"broken: {method}: {error}", soft_wrap=True, highlight=False, markup=False)
     console.print(
         "A method of your own: `--method MODULE:CLASS`, or an installed package's entry point in group "
         f"{ENTRY_POINT_GROUP} (docs/ADDING_A_METHOD.md).",

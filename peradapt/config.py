@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from peradapt.errors import ConfigError, PeradaptError
+from peradapt.errors import ConfigError, PeradaptError, PluginError
 from peradapt.progress import counted
 from peradapt.settings import NoSettings, Search, Setting, check_search, declared_settings, markdown_table, setting
 
@@ -102,14 +102,19 @@ class PluginFinder(Protocol):
     def installed(self) -> list[str]:
         """The names of the methods that installed packages declare."""
 
+    def refused(self) -> dict[str, str]:
+        """The methods that installed packages declare but may not, each with why (a built-in method's name)."""
+
 
 class MethodRegistry(MutableMapping[str, Any]):
     """Every method's class by its `--method` name. `peradapt.methods.base.register` adds each built-in one as it
     is defined, when the registry is first read: it imports the package of the built-in methods (`built_in`), whose
     modules register them and install the plugin finder. Plugins (`module:Class` names, entry points of group
     `peradapt.methods`) are added by that finder when they are looked up, and every installed one when the registry
-    is listed. The config reads only their `settings_class` (a dataclass of `setting` fields), so flags, config files
-    and config.json know the settings of whatever methods are registered when they are read."""
+    is listed: an installed one that cannot be used is left out of the list (`broken` says why), so that one broken
+    package fails only the commands that name its method. The config reads only their `settings_class` (a dataclass
+    of `setting` fields), so flags, config files and config.json know the settings of whatever methods are registered
+    when they are read."""
 
     def __init__(self, built_in: str | None = None) -> None:
         self._classes: dict[str, Any] = {}
@@ -122,9 +127,7 @@ class MethodRegistry(MutableMapping[str, Any]):
         return self._classes[name]
 
     def __iter__(self) -> Iterator[str]:
-        self._import_built_in()
-        for name in self.finder.installed() if self.finder is not None else ():
-            self._find(name)
+        self.broken()
         return iter(list(self._classes))
 
     def __len__(self) -> int:
@@ -152,6 +155,20 @@ class MethodRegistry(MutableMapping[str, Any]):
             found = self.finder.find(name)
             if found is not None:
                 self.add(name, *found)
+
+    def broken(self) -> dict[str, str]:
+        """Register every method installed packages declare that can be used; the others by name, each with its
+        one-line error."""
+        self._import_built_in()
+        if self.finder is None:
+            return {}
+        broken = self.finder.refused()
+        for name in self.finder.installed():
+            try:
+                self._find(name)
+            except PluginError as exc:
+                broken[name] = str(exc)
+        return broken
 
     def loaded(self) -> dict[str, Any]:
         """The methods registered so far, finding none: what a plugin being loaded is checked against."""

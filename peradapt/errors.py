@@ -33,6 +33,11 @@ class ConfigError(PeradaptError):
     """A flag, config file or combination of settings is invalid."""
 
 
+class PluginError(ConfigError):
+    """A method from outside peradapt (`--method module:Class`, an installed entry point) cannot be imported or used:
+    the run that names it is intact, and works again once the plugin does."""
+
+
 class DataError(PeradaptError):
     """A dataset is missing, unreadable or too small for what was asked."""
 

@@ -20,7 +20,7 @@ from peradapt.methods import METHODS, MethodContext
 from peradapt.rundir.store import ClientStore
 
 from .conftest import method_config
-from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
+from .test_cli import crash_after_round, expect_refusal, expect_user_error, results, run_cli, tiny_args
 from .test_perada import TOL, tiny_trainer
 from .test_pfedme_pfedbred import names_of, server_problem
 
@@ -189,6 +189,60 @@ def test_a_plugin_that_cannot_be_used_is_one_error_line(method, needles, tmp_pat
     assert not run.exists()
 
 
+BROKEN_MODULES = {  # a plugin module's code, and what the one error line says of it
+    "raising": ('raise RuntimeError("no GPU\\nfound")\n', ["RuntimeError: no GPU found", "fix the module"]),
+    "syntax": ("def f(:\n", ["SyntaxError", "fix the module", 'python -c "import broken_syntax"']),
+    "exiting": ("import sys\nsys.exit(0)\n", ["SystemExit: 0", "fix the module"]),
+    "needy": ("import no_such_dependency\n", ["install 'no_such_dependency', which it imports"]),
+}
+
+
+@pytest.mark.parametrize("kind", BROKEN_MODULES)
+def test_a_plugin_module_failing_at_import_is_one_error_line_in_every_command(
+    kind, tmp_path, fmnist_dir, capsys, monkeypatch
+):
+    code, needles = BROKEN_MODULES[kind]
+    (tmp_path / f"broken_{kind}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    method = f"broken_{kind}:Method"
+    needles = [f"--method {method}", f"cannot import module 'broken_{kind}'", *needles]
+    run = tmp_path / "run"
+    expect_refusal(tiny_args(fmnist_dir, run, "--method", method), capsys, monkeypatch, *needles, untouched=run)
+    expect_user_error(["methods", method], capsys, monkeypatch, *needles)
+    compared = ["compare", "--methods", f"fedavg,{method}", "--out", str(run)]
+    expect_refusal(compared, capsys, monkeypatch, *needles, untouched=run)
+
+
+def test_a_plugin_not_on_the_path_says_to_put_it_there(tmp_path, fmnist_dir, capsys, monkeypatch):
+    expect_user_error(
+        tiny_args(fmnist_dir, tmp_path / "run", "--method", "nowhere_plugin:Method"),
+        capsys,
+        monkeypatch,
+        "cannot import module 'nowhere_plugin'",
+        "PYTHONPATH",
+        "pip install",
+    )
+
+
+def test_a_finished_plugin_run_without_its_plugin_says_how_to_find_it(plugin_run, capsys, monkeypatch, home):
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry != str(PLUGIN_DIR)])
+    for module in [name for name in sys.modules if name.startswith("peradapt_fedavgm")]:
+        monkeypatch.delitem(sys.modules, module)
+    if PLUGIN in METHODS.loaded():
+        del METHODS[PLUGIN]
+    for command in (["eval"], ["info"], ["train", "--resume", "--out"]):
+        err = expect_refusal(
+            [*command, *([] if "--out" in command else ["--run"]), str(plugin_run)],
+            capsys,
+            monkeypatch,
+            f"{plugin_run} was trained with a method that cannot be loaded here",
+            f"--method {PLUGIN}: cannot import module 'peradapt_fedavgm'",
+            "PYTHONPATH",
+            untouched=plugin_run,
+        )
+        assert "damaged" not in err and "put back" not in err
+
+
 def test_a_plugin_whose_setting_clashes_is_refused(tmp_path, capsys, monkeypatch):
     module = tmp_path / "clashing_plugin.py"
     module.write_text(
@@ -205,16 +259,21 @@ def test_a_plugin_whose_setting_clashes_is_refused(tmp_path, capsys, monkeypatch
 # ---------------------------------------------------------------- an installed package's entry point
 
 
+def declare(site: Path, package: str, entry_points: str) -> None:
+    """An installed distribution `package` in `site` that declares `entry_points` (lines `name = module:Class`)."""
+    info = site / f"{package}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[peradapt.methods]\n{entry_points}\n")
+
+
 @pytest.fixture
 def installed(tmp_path, monkeypatch):
     """The plugin as an installed distribution, without pip: the package and its .dist-info in a directory on
     sys.path, which importlib.metadata reads."""
     site = tmp_path / "site-packages"
     shutil.copytree(PLUGIN_DIR / "peradapt_fedavgm", site / "peradapt_fedavgm")
-    info = site / "peradapt_fedavgm-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: peradapt_fedavgm\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[peradapt.methods]\nfedavgm = {PLUGIN}\n")
+    declare(site, "peradapt_fedavgm", f"fedavgm = {PLUGIN}")
     monkeypatch.syspath_prepend(str(site))
     return site
 
@@ -236,6 +295,55 @@ def test_an_entry_point_is_a_method_by_its_name(installed, tmp_path, fmnist_dir,
     assert code == 0, err
     assert json.loads((run / "config.json").read_text())["config"]["method"]["method"] == "fedavgm"
     assert json.loads((run / "report.json").read_text())["method"] == "fedavgm"
+
+
+def test_a_broken_entry_point_breaks_only_the_commands_that_name_it(
+    installed, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    (installed / "broken_plugin.py").write_text('raise RuntimeError("half-installed")\n')
+    declare(installed, "brokenpkg", "brokenm = broken_plugin:Method\nfedavg = broken_plugin:Method")
+    code, out, err = run_cli(["methods"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "entry point of peradapt_fedavgm 0.1" in out  # the working one is listed as ever
+    assert "broken: brokenm: --method brokenm (entry point of brokenpkg 0.1: broken_plugin:Method): cannot " in out
+    assert "RuntimeError: half-installed" in out
+    assert "broken: fedavg: brokenpkg declares a method 'fedavg'" in out and "rename its entry point" in out
+    run = tmp_path / "run"
+    code, _, err = run_cli(tiny_args(fmnist_dir, run, "--method", "fedavg", "--rounds", "1"), capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads((run / "report.json").read_text())["method"] == "fedavg"  # the built-in one, not the clash
+    err = expect_user_error(
+        tiny_args(fmnist_dir, tmp_path / "nosuch", "--method", "nosuch"), capsys, monkeypatch, "unknown --method"
+    )
+    assert "brokenm" not in err and "half-installed" not in err
+    expect_refusal(
+        tiny_args(fmnist_dir, tmp_path / "broken", "--method", "brokenm"),
+        capsys,
+        monkeypatch,
+        "--method brokenm (entry point of brokenpkg 0.1",
+        "RuntimeError: half-installed",
+        untouched=tmp_path / "broken",
+    )
+
+
+def test_a_run_of_an_entry_point_no_longer_installed_says_to_install_it(
+    installed, tmp_path, fmnist_dir, capsys, monkeypatch, home
+):
+    run = tmp_path / "run"
+    args = tiny_args(fmnist_dir, run, "--method", "fedavgm", "--rounds", "1")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry != str(installed)])
+    del METHODS["fedavgm"]
+    err = expect_refusal(
+        ["eval", "--run", str(run)],
+        capsys,
+        monkeypatch,
+        "was trained with a method that cannot be loaded here: --method fedavgm is no built-in method",
+        "pip install",
+        untouched=run,
+    )
+    assert "damaged" not in err
 
 
 # ---------------------------------------------------------------- compare and Flower

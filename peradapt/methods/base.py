@@ -292,11 +292,12 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def method_class(name: str) -> type[Method]:
-    """The class of method `name`: a registered one, `module:Class`, or an installed package's entry point."""
+def method_class(name: str, asked_as: str = "--method") -> type[Method]:
+    """The class of method `name`: a registered one, `module:Class`, or an installed package's entry point.
+    `asked_as`: how the user named it, for the error of an unknown name."""
     if name not in METHODS:
         raise ConfigError(
-            f"unknown --method '{name}': use one of {', '.join(METHODS)}, or MODULE:CLASS for a method of your own "
+            f"unknown {asked_as} '{name}': use one of {', '.join(METHODS)}, or MODULE:CLASS for a method of your own "
             "(docs/ADDING_A_METHOD.md)"
         )
     return METHODS[name]

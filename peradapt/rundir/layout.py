@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from peradapt.config import TrainConfig
-from peradapt.errors import ConfigError, RunError
+from peradapt.config import METHODS, TrainConfig
+from peradapt.errors import ConfigError, PluginError, RunError
 from peradapt.progress import counted
 from peradapt.rundir.files import PARTITION, REPORT, RESOLVED, check, damaged, read_json
 
@@ -68,10 +68,25 @@ def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
     saved = read_json(paths.config, remedy)
     check(saved, {"config": dict, "resolved?": RESOLVED}, paths.config, remedy)
     try:
+        _check_method_found(saved["config"])
         config = TrainConfig.from_dict(saved["config"])
+    except PluginError as exc:  # the file is intact: the plugin it names is what is missing here
+        raise PluginError(f"{run_dir} was trained with a method that cannot be loaded here: {exc}") from None
     except ConfigError as exc:
         raise damaged(paths.config, str(exc), remedy) from None
     return config, saved.get("resolved", {})
+
+
+def _check_method_found(saved: dict) -> None:
+    """Refuse a saved config whose method is an installed package's that is not installed here (a `module:Class`
+    that does not import is refused by looking it up)."""
+    section = saved.get("method")
+    method = section.get("method") if isinstance(section, dict) else None
+    if isinstance(method, str) and ":" not in method and method not in METHODS:
+        raise PluginError(
+            f"--method {method} is no built-in method, and no installed package declares it: pip install the "
+            "package that does"
+        )
 
 
 def read_partition(run_dir: Path) -> dict:
