@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.compute.privacy import PoissonBatches, PrivateTraining, epsilon, private_training
-from peradapt.compute.trainer import InputPipeline, LocalTrainer
+from peradapt.compute.trainer import InputPipeline, LocalTrainer, SGDJob
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError
@@ -150,11 +150,14 @@ def test_a_dp_step_clips_every_sample_gradient_as_by_hand(backbone, kind, scope)
     assert (factors < 1).sum() == 3 and (factors == 1).sum() == 3
 
     # batch size 6 of 6 samples: q = 1, one step on all of them; sigma so small that the noise is below tolerance
+    # with a gradient correction (SCAFFOLD's c - c_i): a fixed term of the step, not clipped
+    correction = {name: 0.02 * torch.ones_like(parameter) for name, parameter in parameters.items()}
     trainer = private_trainer(model, batch_size=6, sigma=1e-9, clip=clip)
-    result, _ = trainer.sgd(start, data, epochs=1, lr=lr, seed=0, anchor=anchor, lam=lam)
+    job = SGDJob(start, data, epochs=1, lr=lr, seed=0, anchor=anchor, lam=lam, correction=correction)
+    result, _ = trainer.run(job)
     for index, (name, parameter) in enumerate(parameters.items()):
         clipped_mean = sum(f * grads[index] for f, grads in zip(factors, per_sample, strict=True)) / len(data)
-        expected = start[name] - lr * (clipped_mean + lam * (start[name] - anchor[name]))
+        expected = start[name] - lr * (clipped_mean + lam * (start[name] - anchor[name]) + correction[name])
         torch.testing.assert_close(result[name], expected, atol=1e-6, rtol=1e-4, msg=name)
         assert not hasattr(parameter, "grad_sample")  # opacus' hooks are gone: distillation trains the plain model
     assert trainer.privacy.spent == [(1e-9, 1.0, 1)]

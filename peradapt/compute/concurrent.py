@@ -7,20 +7,19 @@ kernel launches, and the device waits on them. Here the jobs of K clients step t
 frozen model, gives all K gradients: each frozen layer runs once on the K batches, each client's layer once as a
 batched kernel (a grouped product, a BatchNorm over K×C channels). Nothing of the backbone is copied.
 
-Each client's numbers are those of `LocalTrainer.run` run alone, as the paper's update rule says (PerAda
-Algorithm 1, lines 10 and 15): the same minibatches from the job's own generator, the same dropout masks, and per
-step g = grad L(v) (+ lam (v - w) with an anchor), then v <- v - lr g, each parameter at its group's rate
-(`SGDJob.groups`: a partial model's parts at their own rates). Parameters of no group are held fixed, no gradient
-computed for them, and every key of no group comes back as it started (its BatchNorms' running statistics, which
-the forward passes move, restored). Jobs that train other parameters (partial models in another phase) step in a
-batched pass of their own. Dropout is the one random draw inside the
-model; `vmap` cannot split the global generator by client, so each client's masks are drawn before the step from
-a generator seeded as `LocalTrainer.run` seeds the global one, in the order and layout the model's forward pass
-draws them (recorded once per input shape). On CPU that reproduces `run`'s masks exactly, and the results agree
-with one-after-another training to float rounding (batched kernels sum in another order). On a GPU, `nn.Dropout`
-draws inside a fused kernel that cannot be replayed, so the masks are other (equally distributed) draws: one
-draw per dropout call for the whole group, from a generator seeded by the group's jobs, so that runs (and resumed
-runs) repeat themselves.
+Each client's numbers are those of `LocalTrainer.run` run alone, as the paper's update rule says (PerAda Algorithm
+1, lines 10 and 15): the same minibatches from the job's own generator, the same dropout masks, and per step g =
+grad L(v) (+ lam (v - w) with an anchor, + c with a correction), then v <- v - lr g, each parameter at its group's
+rate (`SGDJob.groups`: a partial model's parts at their own rates). Parameters of no group are held fixed, no
+gradient computed for them, and every key of no group comes back as it started (its BatchNorms' running statistics,
+which the forward passes move, restored). Jobs that train other parameters (partial models in another phase) step in
+a batched pass of their own. Dropout is the one random draw inside the model; `vmap` cannot split the global
+generator by client, so each client's masks are drawn before the step from a generator seeded as `LocalTrainer.run`
+seeds the global one, in the order and layout the model's forward pass draws them (recorded once per input shape).
+On CPU that reproduces `run`'s masks exactly, and the results agree with one-after-another training to float
+rounding (batched kernels sum in another order). On a GPU, `nn.Dropout` draws inside a fused kernel that cannot be
+replayed, so the masks are other (equally distributed) draws: one draw per dropout call for the whole group, from a
+generator seeded by the group's jobs, so that runs (and resumed runs) repeat themselves.
 
 Clients with different amounts of data take different numbers of steps, and an epoch's last minibatch is smaller:
 each step trains together the clients whose batches have the same shape, and a client that is done drops out.
@@ -91,6 +90,8 @@ class _Rule:
     rates: list[tuple[list[float], list[str]]]
     anchors: dict[str, torch.Tensor] | None  # of the trained parameters; None: no lane is pulled
     lams: list[float]
+    # of the trained parameters (`SGDJob.correction`, zero for a lane without one); None: no lane has one
+    corrections: dict[str, torch.Tensor] | None = None
     eager_steps: dict[tuple[int, ...], int] = field(default_factory=dict)  # steps of every lane, by input shape
     graphs: dict[tuple[int, ...], _Captured] = field(default_factory=dict)  # by input shape
     _factors: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict)
@@ -108,9 +109,14 @@ class _Rule:
         return self._factors[chosen]
 
     @torch.no_grad()
-    def refill(self, stacked: dict[str, list[torch.Tensor]], anchors: dict[str, list[torch.Tensor]] | None) -> None:
-        """The next jobs' states and anchors (one tensor per lane), copied into this rule's tensors."""
-        for into, sources in ((self.stacked, stacked), (self.anchors, anchors)):
+    def refill(
+        self,
+        stacked: dict[str, list[torch.Tensor]],
+        anchors: dict[str, list[torch.Tensor]] | None,
+        corrections: dict[str, list[torch.Tensor]] | None,
+    ) -> None:
+        """The next jobs' states, anchors and corrections (one tensor per lane), copied into this rule's tensors."""
+        for into, sources in ((self.stacked, stacked), (self.anchors, anchors), (self.corrections, corrections)):
             for name, tensors in (sources or {}).items():
                 into[name].copy_(torch.stack(tensors))  # type: ignore[index]
 
@@ -400,10 +406,17 @@ class ConcurrentSGD:
         for name in trained:
             rates.setdefault(tuple(-lane[name] for lane in lane_rates), []).append(name)
         lams = [job.lam if pulled else 0.0 for job, pulled in zip(jobs, anchored, strict=True)]
-        key = (len(jobs), anchors is not None, tuple(lams), tuple((f, tuple(n)) for f, n in rates.items()))
+        corrections = None
+        if any(job.correction for job in jobs):  # a lane without a correction adds zeros
+            corrections = {
+                n: [(job.correction or {}).get(n, torch.zeros_like(job.start[n])).to(device) for job in jobs]
+                for n in trained
+            }
+        shape = (len(jobs), anchors is not None, corrections is not None, tuple(lams))
+        key = (*shape, tuple((f, tuple(n)) for f, n in rates.items()))
         kept = self._rules.get(key) if self.graphs else None
         if kept is not None:
-            kept.refill(stacked, anchors)
+            kept.refill(stacked, anchors, corrections)
             return kept
         rule = _Rule(
             {name: torch.stack(tensors) for name, tensors in stacked.items()},
@@ -412,6 +425,7 @@ class ConcurrentSGD:
             [(list(factors), names) for factors, names in rates.items()],
             None if anchors is None else {name: torch.stack(tensors) for name, tensors in anchors.items()},
             lams,
+            None if corrections is None else {name: torch.stack(tensors) for name, tensors in corrections.items()},
         )
         if self.graphs:
             self._rules[key] = rule
@@ -467,12 +481,17 @@ class ConcurrentSGD:
             return chosen if moving is None else moving * chosen
 
         with torch.no_grad():
+            steps = [gradients[name] for name in parameters]
             if anchors is not None:  # g <- g + lam (v - w): PerAda Algorithm 1, line 10
-                values, steps = list(parameters.values()), [gradients[name] for name in parameters]
                 pulls = torch._foreach_sub(
-                    values, [anchors[n] if index is None else anchors[n][index] for n in parameters]
+                    list(parameters.values()), [anchors[n] if index is None else anchors[n][index] for n in parameters]
                 )
                 _add_scaled_(steps, pulls, factors(rule.lams))
+            if rule.corrections is not None:  # g <- g + c: SCAFFOLD's c - c_i (`SGDJob.correction`)
+                corrections = rule.corrections
+                torch._foreach_add_(
+                    steps, [corrections[n] if index is None else corrections[n][index] for n in parameters]
+                )
             for rates, names in rule.rates:  # v <- v - lr g
                 targets, addends = [parameters[n] for n in names], [gradients[n] for n in names]
                 _add_scaled_(targets, addends, factors(rates))

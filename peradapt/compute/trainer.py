@@ -112,6 +112,12 @@ class SGDJob:
     `groups` says what trains and at which rate; None: every trainable parameter at `lr`. A state key in no group
     is frozen: it gets no gradient, and it comes back exactly as it is in `start` (the running statistics of its
     BatchNorms too, which the forward passes move). `lr` is --lr either way, the rate a diverged run names.
+
+    `correction` is a fixed linear term added to the gradient at every step, state-shaped (an entry per trained
+    parameter; a parameter without one gets none): SCAFFOLD's c − c_i (Karimireddy et al. 2020, Algorithm 1,
+    line 10), the gradient of the linear term <correction, v> of a local objective. The step is then
+    v <- v - lr (grad L(v) + lam (v - w) + correction) in every form of the loop (`descend`, `private_sgd`,
+    concurrent clients).
     """
 
     start: AdapterState
@@ -123,6 +129,7 @@ class SGDJob:
     lam: float = 0.0
     steps: int | None = None
     groups: tuple[ParameterGroup, ...] | None = None
+    correction: AdapterState | None = None
 
     def rates(self, parameters: Iterable[str]) -> dict[str, float]:
         """The learning rate of each of the named `parameters` that trains, in their order."""
@@ -187,6 +194,13 @@ def finite(loss: torch.Tensor, lr: float) -> torch.Tensor:
     if not torch.isfinite(loss):
         raise diverged(loss.item(), lr)
     return loss
+
+
+def _corrections(job: SGDJob, parameters: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The job's gradient correction (`SGDJob.correction`) of each trained parameter that has one, by name, on the
+    parameter's device."""
+    correction = job.correction or {}
+    return {name: correction[name].to(p.device) for name, p in parameters.items() if name in correction}
 
 
 def rate_groups(parameters: dict[str, nn.Parameter], rates: dict[str, float]) -> list[dict[str, Any]]:
@@ -259,6 +273,7 @@ class LocalTrainer:
         with self._training(job) as (parameters, rates):
             values = list(parameters.values())
             anchors = [job.anchor[name] for name in parameters] if job.anchor is not None and job.lam > 0 else None
+            corrections = _corrections(job, parameters)
             # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
             optimizer = torch.optim.SGD(rate_groups(parameters, rates), lr=job.lr, foreach=True)
             steps: list[torch.Tensor] = []
@@ -271,6 +286,8 @@ class LocalTrainer:
                     with torch.no_grad():
                         gradients = [parameter.grad for parameter in values]
                         torch._foreach_add_(gradients, torch._foreach_sub(values, anchors), alpha=job.lam)
+                if corrections:  # g <- g + c (SCAFFOLD)
+                    torch._foreach_add_([parameters[name].grad for name in corrections], list(corrections.values()))
                 optimizer.step()
                 steps.append(torch.stack([term.detach() for term in terms]))
                 self.samples_trained += len(labels)  # its objective's terms need not go through `loss`
@@ -281,11 +298,12 @@ class LocalTrainer:
     def private_sgd(self, job: SGDJob) -> SGDResult:
         """`run` as DP-SGD (`peradapt.compute.privacy`): Poisson-sampled batches, each sample's gradient clipped
         to C, Gaussian noise of std σC, the mean over the expected batch size; then the proximal pull
-        lam * (v - w), a function of parameters only, taken as it is. Returns the final state and the mean loss
-        per sample. With `steps`, that many Poisson batches."""
+        lam * (v - w) and the correction, functions of parameters only, taken as they are. Returns the final state
+        and the mean loss per sample. With `steps`, that many Poisson batches."""
         privacy, data, anchor, lam = self.privacy, job.data, job.anchor, job.lam
         assert privacy is not None and data.labels is not None
         with self._training(job) as (parameters, rates):
+            corrections = _corrections(job, parameters)
             generator = seeded_generator(job.seed)  # Poisson draws, augmentation and dropout; the noise has its own
             batches = privacy.batches(len(data), self.batch_size, job.epochs, job.steps)
             optimizer = privacy.optimizer(rate_groups(parameters, rates), lr=job.lr, batches=batches, seed=job.seed)
@@ -305,8 +323,11 @@ class LocalTrainer:
                         proximal = anchor is not None and lam > 0
                         pull = {n: lam * (p - anchor[n]) for n, p in parameters.items()} if proximal else {}
                         optimizer.step()
+                        # the pull and the correction: functions of parameters only, taken as they are (no clipping)
                         for name, step in pull.items():
                             parameters[name].sub_(step, alpha=rates[name])
+                        for name, correction in corrections.items():
+                            parameters[name].sub_(correction, alpha=rates[name])
                 optimizer.zero_grad(set_to_none=True)  # the last step's clipped sum is not left on the shared model
         privacy.spend(batches)
         return job.finished(self.model.state()), total_loss / max(samples, 1)
@@ -371,6 +392,14 @@ class LocalTrainer:
                 drawn += 1
                 yield (batch if allowed is None else batch[: allowed[drawn - 1]]), generator
             passes += 1
+
+    def steps_of(self, job: SGDJob) -> int:
+        """The SGD steps `run` takes for `job`: its minibatches at the client's `work_share`, or with `privacy` its
+        Poisson batches (a step each, empty or not)."""
+        if self.privacy is not None:
+            return self.privacy.batches(len(job.data), self.batch_size, job.epochs, job.steps).steps
+        sizes = schedule_sizes(len(job.data), self.batch_size, epochs=job.epochs, steps=job.steps)
+        return len(shared_sizes(sizes, self.work_share))
 
     @contextlib.contextmanager
     def sharing(self, share: float) -> Iterator[None]:

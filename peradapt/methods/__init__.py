@@ -17,6 +17,7 @@ from peradapt.methods import perfedavg as _perfedavg  # noqa: F401  (registers p
 from peradapt.methods import pfedbred as _pfedbred  # noqa: F401  (registers pfedbred)
 from peradapt.methods import pfedme as _pfedme  # noqa: F401  (registers pfedme)
 from peradapt.methods import plugins as _plugins  # noqa: F401  (finds methods from outside peradapt)
+from peradapt.methods import scaffold as _scaffold  # noqa: F401  (registers scaffold)
 from peradapt.methods import standalone as _standalone  # noqa: F401  (registers standalone)
 from peradapt.methods.base import (
     METHODS,
