@@ -66,6 +66,11 @@ def training_config(
     origins = setting_origins([(from_preset, f"--preset {preset}"), (from_file, f"--config {config_file}")], settings)
     with origins_named(origins):
         config = TrainConfig.from_flat(values)
+        if _given("validation_fraction", values) and config.data.eval_split != "validation":
+            raise ConfigError(
+                "--validation-fraction sizes the validation split of --eval-split validation, and this run scores on "
+                "its test split: give --eval-split validation, or drop --validation-fraction"
+            )
     config.origins = origins
     return config
 
@@ -222,12 +227,19 @@ def compare(
     `peradapt.commands.comparison`. `dry_run`: instead, what the comparison would run and about how long it would
     take on this machine, with nothing written (`peradapt.commands.estimate.estimate_sweep`)."""
     from peradapt.commands.comparison import compare as run_compare
+    from peradapt.tuning import TUNING_SEED
 
     for flag, value, least in (("--seeds", seeds, 1), ("--tune", tune, 0), ("--ood-limit", ood_limit, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if seeds > TUNING_SEED:  # before `range(seeds)`, which a count past C's integers makes an OverflowError
+        raise ConfigError(
+            f"--seeds must be at most {TUNING_SEED}, got {seeds}: seed {TUNING_SEED} is the trials' partition"
+        )
     if tune_only and not tune:
         raise ConfigError("--tune-only runs trials: give their number with --tune N")
+    if storage is not None and not tune:
+        raise ConfigError("--storage keeps the trials of --tune N, and there are none: give --tune N or drop --storage")
     if ood_limit is not None and ood is None:
         raise ConfigError("--ood-limit needs --ood NAME")
     if target_accuracy is not None and not 0 < target_accuracy <= 100:  # `not`: NaN is refused too
@@ -236,6 +248,11 @@ def compare(
     origins = setting_origins([(values, f"--config {config_file}")], settings)
     values.update(_as_text(settings))
     with origins_named(origins):
+        if _given("validation_fraction", values) and not tune:
+            raise ConfigError(
+                "--validation-fraction sizes the validation split the trials of --tune N score on, and there are "
+                "none (the final runs score on the test split): give --tune N, or drop --validation-fraction"
+            )
         return run_compare(
             values,
             list(methods),
@@ -261,6 +278,11 @@ def report(runs: Sequence[PathLike], out: PathLike | None = None) -> list[Path]:
     from peradapt.commands.reports import build_report
 
     return build_report([Path(run) for run in runs], None if out is None else Path(out))
+
+
+def _given(key: str, values: dict[str, Any]) -> bool:
+    """Whether flat settings `values` (flags, a config file, which may write `validation-fraction`) set `key`."""
+    return any(name.replace("-", "_") == key for name in values)
 
 
 def _as_text(settings: dict[str, Any]) -> dict[str, Any]:

@@ -216,7 +216,8 @@ BUDGET_KINDS = ("client-samples",)  # --budget KIND:N: the work a run stops at
 def parse_budget(budget: str) -> tuple[str, int]:
     """`--budget KIND:N` as (KIND, N); one line naming the flag for anything else."""
     kind, _, count = budget.partition(":")
-    if kind not in BUDGET_KINDS or not count.strip().isdigit() or int(count) < 1:
+    # ASCII digits only: isdigit() also takes '²', which int() refuses
+    if kind not in BUDGET_KINDS or not re.fullmatch(r"[0-9]+", count.strip()) or int(count) < 1:
         raise ConfigError(
             f"--budget must be {' or '.join(k + ':N' for k in BUDGET_KINDS)} with N a whole number of at least 1, "
             f"got '{budget}'"
@@ -1047,7 +1048,8 @@ def settings_markdown() -> str:
     return intro + markdown_table(listed_settings())
 
 
-_FLAG_IN_MESSAGE = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+# A setting as an error names it: its flag, or `setting 'key'` (a value of the wrong type, from a flag or a file).
+_SETTING_IN_MESSAGE = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)|setting '(\w+)'")
 
 
 def setting_origins(sources: Iterable[tuple[Iterable[str], str]], given: Iterable[str]) -> dict[str, str]:
@@ -1061,17 +1063,17 @@ def setting_origins(sources: Iterable[tuple[Iterable[str], str]], given: Iterabl
 
 @contextmanager
 def origins_named(origins: Mapping[str, str]) -> Iterator[None]:
-    """A PeradaptError raised in the block that names a flag whose value came from a preset or config file
+    """A PeradaptError raised in the block that names a setting whose value came from a preset or config file
     (`origins`, by key) says so, with how to override it: `--preset perada-cifar10 --data fmnist` is refused for a
     `--kd-data cifar100` that the user never typed."""
     try:
         yield
     except PeradaptError as error:
-        flags = dict.fromkeys(_FLAG_IN_MESSAGE.findall(str(error)))  # each once, in the order the message names them
-        named = [flag for flag in flags if flag[2:].replace("-", "_") in origins]
-        if not named:
+        named_keys = [(flag or key).replace("-", "_") for flag, key in _SETTING_IN_MESSAGE.findall(str(error))]
+        # each once, in the order the message names them
+        sources = {f"--{key.replace('_', '-')}": origins[key] for key in named_keys if key in origins}
+        if not sources:
             raise
-        sources = {flag: origins[flag[2:].replace("-", "_")] for flag in named}
         note = ", ".join(f"{flag} came from {source}" for flag, source in sources.items())
         # A preset's value is overridden by giving it; a config file's the user wrote, and edits where it stands.
         from_preset = [flag for flag, source in sources.items() if source.startswith("--preset ")]

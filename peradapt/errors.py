@@ -38,6 +38,11 @@ class PluginError(ConfigError):
     the run that names it is intact, and works again once the plugin does."""
 
 
+class MissingDependency(PeradaptError, ImportError):
+    """A package peradapt needs is not installed, found when a module that needs it is imported: an ImportError to
+    Python code, one `error:` line naming what to install to the command line."""
+
+
 class DataError(PeradaptError):
     """A dataset is missing, unreadable or too small for what was asked."""
 

@@ -201,7 +201,13 @@ def _storage(url: str | None, out: Path, heartbeat_s: int) -> optuna.storages.Ba
         raise ConfigError(f"--storage {shown}: use {SCHEMES}")
     sqlite = url.startswith("sqlite")
     if sqlite:
-        path = Path(url.split("///", 1)[-1])
+        found = re.match(r"sqlite(\+\w+)?:///(.+)", url)
+        if found is None:  # `sqlite://t.db` names a host, which SQLite has not
+            raise ConfigError(
+                f"--storage {shown}: a SQLite URL is sqlite:///FILE, three slashes before a relative path and four "
+                "before an absolute one (sqlite:////tmp/tuning.db)"
+            )
+        path = Path(found.group(2))
         if not path.parent.is_dir():
             raise ConfigError(f"--storage {shown}: {path.parent} is no directory; create it or name a file in one")
     import sqlalchemy.exc

@@ -175,7 +175,10 @@ def test_compare_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, fmni
         (compare_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "cannot be reached"),
         (compare_args(fmnist_dir, out, "--tune", "1", "--storage", "nosuchdb://here/x"), "nosuchdb://here/x"),
         (compare_args(fmnist_dir, out, "--test", "anova"), "unknown --test 'anova': use t or wilcoxon"),
-        (compare_args(fmnist_dir, out, "--seeds", "1001"), "--seeds must be below 1000"),
+        (compare_args(fmnist_dir, out, "--seeds", "1001"), "--seeds must be at most 1000, got 1001"),
+        (compare_args(fmnist_dir, out, "--seeds", "100000000000000000000"), "--seeds must be at most 1000"),
+        (compare_args(fmnist_dir, out, "--storage", "sqlite:///x.db"), "--storage keeps the trials of --tune N"),
+        (compare_args(fmnist_dir, out, "--validation-fraction", "0.3"), "give --tune N, or drop --validation"),
     ]
     for args, needle in cases:
         expect_user_error(args, capsys, monkeypatch, needle)

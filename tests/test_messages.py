@@ -151,24 +151,82 @@ def test_a_config_directory_is_called_one(tmp_path, capsys, monkeypatch):
     expect_user_error(["train", "--config", str(tmp_path)], capsys, monkeypatch, "is a directory")
 
 
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--budget", "client-samples:²"], ["--budget must be client-samples:N", "got 'client-samples:²'"]),
+        (["--validation-fraction", "0.3"], ["--validation-fraction", "give --eval-split validation"]),
+    ],
+)
+def test_values_that_would_fail_or_do_nothing_are_refused(extra, needles, tmp_path, fmnist_dir, capsys, monkeypatch):
+    run = tmp_path / "run"
+    expect_refusal(tiny_args(fmnist_dir, run, *extra), capsys, monkeypatch, *needles, untouched=run)
+
+
+def test_a_config_files_value_of_the_wrong_type_names_the_file(tmp_path, fmnist_dir, capsys, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("lr: abc\n")
+    run = tmp_path / "run"
+    needles = ["setting 'lr' must be float, got 'abc'", f"--lr came from --config {config}"]
+    expect_refusal(["train", "--config", str(config), "--out", str(run)], capsys, monkeypatch, *needles, untouched=run)
+    compared = ["compare", "--methods", "fedavg", "--config", str(config), "--out", str(run)]
+    expect_refusal(compared, capsys, monkeypatch, *needles, untouched=run)
+
+
+def test_methods_of_an_unknown_name_speaks_of_the_method(capsys, monkeypatch):
+    err = expect_user_error(["methods", "foo"], capsys, monkeypatch, "unknown method 'foo': use one of", "fedavg")
+    assert "--method" not in err
+
+
+NO_TRANSFORMERS = textwrap.dedent(
+    """
+    import sys
+
+    class NoTransformers:
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "transformers":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, NoTransformers())
+    """
+)
+TRANSFORMERS_HINT = (
+    "peradapt needs transformers, which PEFT imports and this environment lacks: pip install 'peradapt[hf]'"
+)
+
+
+def without_transformers(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`code` run by a Python in which transformers cannot be imported."""
+    script = NO_TRANSFORMERS + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def test_without_transformers_the_adapters_name_the_install():
     """`import peradapt` imports no adapter (nor PEFT, which imports transformers); the adapters, which every command
-    that trains or loads a model imports, say what is missing."""
-    blocker = textwrap.dedent(
+    that trains or loads a model imports, say what is missing, as an ImportError to Python code."""
+    done = without_transformers(
         """
-        import sys
-
-        class NoTransformers:
-            def find_spec(self, name, path=None, target=None):
-                if name.partition(".")[0] == "transformers":
-                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-        sys.meta_path.insert(0, NoTransformers())
         import peradapt
-        from peradapt import inject_adapters
+        try:
+            from peradapt import inject_adapters
+        except ImportError as error:
+            print(error)
         """
     )
-    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: peradapt needs transformers") and "pip install 'peradapt[hf]'" in last
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == TRANSFORMERS_HINT and done.stderr == ""
+
+
+@pytest.mark.parametrize("command", [["train", "--rounds", "1"], ["methods"], ["eval", "--run", "nowhere"]])
+def test_without_transformers_a_command_prints_the_hint_as_its_one_error_line(command, tmp_path):
+    done = without_transformers(
+        f"""
+        import sys
+        sys.argv = ["peradapt", *{command!r}]
+        from peradapt.cli import main
+        main()
+        """,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"error: {TRANSFORMERS_HINT}\n", done.stderr

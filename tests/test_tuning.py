@@ -216,6 +216,8 @@ def test_a_method_with_nothing_left_to_tune_says_so_and_writes_nothing(tmp_path,
         ("sqlite:////nonexistent-dir/tuning.db", "/nonexistent-dir is no directory"),
         ("journal:/nonexistent-dir/journal.log", "/nonexistent-dir is no directory"),
         ("postgresql://user:secret@127.0.0.1:9/db", "--storage postgresql://user:***@127.0.0.1:9/db"),
+        ("sqlite://t.db", "--storage sqlite://t.db: a SQLite URL is sqlite:///FILE, three slashes"),
+        ("sqlite+pysqlite://t.db", "a SQLite URL is sqlite:///FILE"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_one_error_and_nothing_written(storage, needle, tmp_path, fmnist_dir):

@@ -11,6 +11,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from peradapt.adapters.state import AdapterState, average_states, state_nbytes, state_to, state_to_cpu
+from peradapt.errors import MissingDependency
 from peradapt.imports import imported_when_used
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ try:
 except ModuleNotFoundError:  # an import hook that refuses it
     _TRANSFORMERS = None
 if _TRANSFORMERS is None:
-    raise ImportError(
+    raise MissingDependency(
         "peradapt needs transformers, which PEFT imports and this environment lacks: pip install 'peradapt[hf]'"
     )
 
