@@ -108,11 +108,15 @@ def machine_error(error: BaseException) -> MachineError | None:
 
 @contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Inside the block, a library's error that names the OS error of writing `path` but not the path (safetensors:
-    "I/O error: No space left on device (os error 28)") is raised as that `OSError`, with `path`."""
+    """Inside the block, an error of writing `path` that does not name it is raised as an `OSError` with `path`: a
+    write's own `OSError` (a full disk fails `write()`, which has no file name), or a library's error that names
+    only the OS error (safetensors: "I/O error: No space left on device (os error 28)")."""
     try:
         yield
-    except OSError:
+    except OSError as exc:
+        # errno None: no OS error of its own (shutil.Error lists a tree copy's, each with its file)
+        if exc.errno is not None and exc.filename is None and exc.filename2 is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     except Exception as exc:
         found = _RUST_OS_ERROR.search(str(exc))

@@ -161,8 +161,9 @@ def test_partition_json_describes_the_clients(finished_run):
 def test_eval_recomputes_the_reported_accuracies(finished_run, capsys, monkeypatch, home):
     code, out, err = run_cli(["eval", "--run", str(finished_run)], capsys, monkeypatch)
     assert code == 0, err
-    assert "local-test" in out and "global-test" in out
+    assert "local-test" in out and "global-test" in out and "validation" not in out
     evaluation = json.loads((finished_run / "eval.json").read_text())
+    assert evaluation["eval_split"] == "test"
     report = json.loads((finished_run / "report.json").read_text())
     assert evaluation["personalized"]["local_test"] == pytest.approx(report["personalized"]["local_test"]["per_client"])
     assert evaluation["global"]["global_test"] == pytest.approx(report["global"]["global_test"])

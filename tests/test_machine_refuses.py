@@ -150,6 +150,68 @@ def test_a_full_home_at_the_pinning(tmpfs, tmp_path, pretrained_home, fmnist_dir
     assert not run.exists()
 
 
+def full_disk_at(suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a file whose name ends in `suffix` fails half-way as a full disk does: `write()` raises ENOSPC, an
+    OSError that names no file."""
+    write_text, copyfile = Path.write_text, shutil.copyfile
+
+    def full() -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def text(path: Path, data: str, *args, **kwargs) -> int:
+        if path.name.endswith(suffix):
+            write_text(path, data[: len(data) // 2], *args, **kwargs)
+            raise full()
+        return write_text(path, data, *args, **kwargs)
+
+    def copy(source, target, *args, **kwargs):
+        if str(source).endswith(suffix):
+            Path(target).write_bytes(b"half")
+            raise full()
+        return copyfile(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", text)
+    monkeypatch.setattr(shutil, "copyfile", copy)
+
+
+def test_a_full_home_at_the_pinning_leaves_no_part_of_the_copy(
+    tmp_path, pretrained_home, fmnist_dir, capsys, monkeypatch
+):
+    from peradapt import backbones
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("PERADAPT_HOME", str(home))
+    weights = pretrained_home / "backbones" / f"fmnist-{TINY_BACKBONE}.safetensors"
+    run = tmp_path / "run"
+
+    def no_link(source, target):  # another file system: the weights are copied, the description first
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(source), str(target))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backbones.os, "link", no_link)
+        full_disk_at(".safetensors", patch)
+        line = refused(small_args(fmnist_dir, run, "--weights", str(weights)), capsys, monkeypatch, "no space left")
+    pinned = home / "backbones" / "sha256"
+    assert f"cannot write {pinned}" in line and line.split(":")[1].strip().endswith(".safetensors"), line
+    assert list(pinned.iterdir()) == []  # neither <fp>.tmp nor <fp>.json without its weights
+    assert not run.exists()
+
+
+def test_a_full_out_names_the_file_it_could_not_write(finished, tmp_path, fmnist_dir, home, capsys, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        full_disk_at("partition.json.tmp", patch)
+        line = refused(small_args(fmnist_dir, run), capsys, monkeypatch, "no space left")
+    assert f"cannot write {run / 'partition.json'}: no space left" in line
+    assert "a file peradapt writes" not in line
+    out = tmp_path / "export"
+    with monkeypatch.context() as patch:
+        full_disk_at("README.md", patch)
+        line = refused(["export", "--run", str(finished), "--out", str(out)], capsys, monkeypatch, "no space left")
+    assert f"cannot write {out}: no space left" in line
+    assert not out.exists() and list(tmp_path.glob(".export*")) == []
+
+
 def test_a_full_disk_at_round_1s_checkpoint_leaves_no_run(tmpfs, tmp_path, fmnist_dir, home, capsys, monkeypatch):
     place = tmpfs(tmp_path / "full", size="48k")  # the run's record fits, its first checkpoint does not
     refused(small_args(fmnist_dir, place), capsys, monkeypatch, str(place / "checkpoints"), "no space left", "nothing")

@@ -593,16 +593,24 @@ def pin_weights(path: Path, fingerprint: str) -> Path:
     if pinned.is_file():
         return pinned
     pinned.parent.mkdir(parents=True, exist_ok=True)
-    for source, target in ((path.with_suffix(".json"), pinned.with_suffix(".json")), (path, pinned)):
-        if not source.is_file():
-            continue
-        tmp = target.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:  # another file system, or links not allowed
-            shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
+    tmp = pinned.with_suffix(".tmp")
+    written: list[Path] = []
+    try:
+        for source, target in ((path.with_suffix(".json"), pinned.with_suffix(".json")), (path, pinned)):
+            if not source.is_file():
+                continue
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(source, tmp)
+            except OSError:  # another file system, or links not allowed
+                with writing(target):
+                    shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+            written.append(target)
+    except BaseException:  # a full disk, Ctrl-C: no half copy, and no description without its weights
+        for leftover in (tmp, *written):
+            leftover.unlink(missing_ok=True)
+        raise
     return pinned
 
 

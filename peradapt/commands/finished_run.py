@@ -131,6 +131,8 @@ def evaluate_run(run_dir: Path, *, weights: Path | None = None) -> dict:
         session.data.global_test,
         global_test_clients={client.client_id for client in session.client_sample},
     )
+    # --eval-split validation: its "test" scores are on the validation splits, as in its report.json
+    evaluation["eval_split"] = session.config.data.eval_split
     write_json_atomic(run_dir / "eval.json", evaluation)
     return evaluation
 
@@ -300,13 +302,14 @@ def export_run(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:12]}")
     try:
-        staging.mkdir()
-        _write_export(session, paths, staging, adapters, merged_global)
-        report = read_report(run_dir)
-        assert report is not None  # ExportedAdapters.open refuses a run without one
-        cards = RunCards(session.config, read_run_config(run_dir)[1], report, hub, license=license, merged=merge)
-        write_cards(staging, cards)
-        _move_into_place(staging, out)
+        with writing(out):  # a write that names no file (a full disk) names the export
+            staging.mkdir()
+            _write_export(session, paths, staging, adapters, merged_global)
+            report = read_report(run_dir)
+            assert report is not None  # ExportedAdapters.open refuses a run without one
+            cards = RunCards(session.config, read_run_config(run_dir)[1], report, hub, license=license, merged=merge)
+            write_cards(staging, cards)
+            _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created is not None:  # the directories made for `out`, which hold nothing else

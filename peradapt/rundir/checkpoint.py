@@ -110,7 +110,7 @@ def replaced_by_temporary(path: Path, tmp: Path) -> Iterator[None]:
         yield
         os.replace(tmp, path)
     except BaseException as error:
-        if isinstance(error, OSError) and error.filename == str(tmp):
+        if isinstance(error, OSError) and error.filename in (None, str(tmp)):  # None: write() on a full disk
             error.filename = str(path)  # the file that could not be written is `path`: `tmp` is only how
         with suppress(OSError):  # a read-only place has no `tmp`; the error that stopped the write is the one to tell
             tmp.unlink(missing_ok=True)
