@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 DEMO_RUN ?= runs/demo
 
-.PHONY: install install-test fmnist demo test lint settings-doc gpu-check
+.PHONY: install install-test fmnist demo test lint settings-doc method-api-doc gpu-check
 
 install:
 	$(PIP) install -e .
@@ -39,6 +39,12 @@ lint: install-test
 # docs/SETTINGS.md, generated from the settings' declarations (tests/test_settings.py checks that it is current).
 settings-doc:
 	$(PYTHON) -c "from peradapt.config import settings_markdown; print(settings_markdown(), end='')" > docs/SETTINGS.md
+
+# docs/METHOD_API.md, generated from the docstrings of what a method may use (tests/test_method_reference.py checks
+# that it is current).
+method-api-doc:
+	$(PYTHON) -c "from peradapt.methods.reference import reference_markdown; print(reference_markdown(), end='')" \
+		> docs/METHOD_API.md
 
 # On a machine with a CUDA GPU, no network needed: the tests marked cuda, then the GPU benchmark figures, in one
 # JSON (gpu-check.json). Installs without dependencies when they are there already (an offline GPU box).

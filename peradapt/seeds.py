@@ -9,6 +9,12 @@ PARTICIPATION, STRAGGLERS = 8, 9
 
 
 def derive_seed(*parts: int) -> int:
+    """A seed from integers (a seed, then phases: `derive_seed(seed, LOCAL)`), the same on every machine and
+    run, independent of any other tuple's. The engine gives a client update derive_seed(run seed, round, client) and
+    a server update derive_seed(run seed, round, SERVER); a method draws each random choice of its own from
+    `derive_seed(seed, PHASE)`, with a phase that no other draw from the same seed uses: this module's phases and
+    11 (fine-tuning at evaluation, `peradapt.methods.fedavg.FINETUNE`), 12 (a new client's personalization), 13
+    (DP-SGD noise) and 21 (FedALA) are taken."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 

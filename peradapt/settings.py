@@ -51,18 +51,22 @@ class Search:
 
     @classmethod
     def log(cls, low: float, high: float) -> Search:
+        """Log-uniform in [low, high] (0 < low < high): learning rates, strengths spanning decades."""
         return cls(low, high, log_scale=True)
 
     @classmethod
     def uniform(cls, low: float, high: float) -> Search:
+        """Uniform in [low, high]."""
         return cls(low, high)
 
     @classmethod
     def integers(cls, low: int, high: int) -> Search:
+        """The whole numbers low, ..., high, for an int setting."""
         return cls(low, high, integer=True)
 
     @classmethod
     def choices(cls, *values: Any) -> Search:
+        """One of `values` (the settings a paper sweeps), of the setting's type."""
         return cls(values=values)
 
     def text(self) -> str:
@@ -85,13 +89,13 @@ class Setting:
 
     help: str  # may hold `{choices}`: the choices at the time the text is shown (e.g. the registered methods)
     group: str | None  # the help panel; None for a method's settings, shown under the methods that take them
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    exclusive_maximum: bool = False
+    minimum: float | None = None  # the least value taken (None: no bound)
+    maximum: float | None = None  # the greatest value taken (None: no bound)
+    exclusive_minimum: bool = False  # `minimum` itself is refused: a value must be more than it ("> 0")
+    exclusive_maximum: bool = False  # `maximum` itself is refused: a value must be less than it ("[0, 1)")
     choices: Collection[Any] = ()  # may be a live collection, e.g. the method registry's keys
     why: str = ""  # said after a refused value: what a value outside the bounds would break
-    metavar: str | None = None
+    metavar: str | None = None  # the value's name in help ("N"; default: the type's)
     shown_default: str | None = None  # the default as help shows it; for a None default, what None means
     symbol: str = ""  # the paper's symbol (α, λ, K, ...)
     flag: bool = True  # False: a config key without a flag of its own (lam_auto, set by `--lam auto`)

@@ -82,9 +82,13 @@ class AdaptedModel:
         return next(iter(self._parameters.values())).device
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """The trainable parameters, by their state keys: the live `nn.Parameter`s of the shared model, not copies
+        (they change as it trains and as states are loaded; `state()` copies). Its keys are the optimization
+        variables of a state, without the BatchNorm running statistics the state holds besides."""
         return self._parameters
 
     def num_trainable(self) -> int:
+        """The number of trainable parameters (elements), per client the size of one model's update."""
         return sum(p.numel() for p in self._parameters.values())
 
     @property
@@ -179,11 +183,14 @@ class AdaptedModel:
         return [*self._parameters, *self._buffers]
 
     def state(self) -> AdapterState:
+        """A copy of the model's current state: trainable parameters, then buffers (`state_names`), detached."""
         tensors = {**self._parameters, **self._buffers}
         return {name: tensor.detach().clone() for name, tensor in tensors.items()}
 
     @torch.no_grad()
     def load_state(self, state: AdapterState) -> None:
+        """Copy `state` into the shared model; a state whose keys are not exactly the model's is refused
+        (`check_fits`): take a payload's or an upload's extra entries out first."""
         self.check_fits(state)
         for name, parameter in self._parameters.items():
             parameter.copy_(state[name])

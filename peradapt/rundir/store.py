@@ -47,7 +47,10 @@ _TEMPORARY = ".tmp"
 
 
 class ClientStore:
-    """Client states in memory, keyed by (client id, name), e.g. (3, "personal"); checkpoints carry them all."""
+    """Client states in memory, keyed by (client id, name), e.g. (3, "personal"); checkpoints carry them all.
+
+    A method's `self.store` is one of these or a `DiskClientStore` (--client-store disk), and uses `get` and `put`
+    alone: the engine makes the states consistent with the checkpoints."""
 
     kind: ClassVar[str] = "memory"
 
@@ -56,6 +59,8 @@ class ClientStore:
         self._states: dict[tuple[int, str], AdapterState] = {}
 
     def get(self, client_id: int, key: str) -> AdapterState | None:
+        """The state last `put` as (`client_id`, `key`), or None if there is none (a client never trained): the
+        method falls back to its initial value (`context.initial`, zeros, ...)."""
         return self._states.get((client_id, key))
 
     def _foreign_directory(self, path: str) -> RunError:
@@ -65,6 +70,9 @@ class ClientStore:
         )
 
     def put(self, client_id: int, key: str, state: AdapterState) -> None:
+        """Keep `state` (named tensors) as client `client_id`'s `key` (letters, digits and _; a method's own keys
+        prefixed with its name: "scaffold_control"), replacing the one before. It is in the next checkpoint, and
+        --resume restores it; with --client-store disk it is written to a file at once."""
         self._states[(client_id, key)] = state
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
