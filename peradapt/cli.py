@@ -135,6 +135,8 @@ def given_settings(flags: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The title's note for a run of --eval-split validation, whose scores are on no test image.
+SCORED_ON_VALIDATION = ", scored on validation splits held out of the clients' training images (no test image)"
 INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation; partition.json has them all
 RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
 RunWeights = Annotated[
@@ -247,13 +249,14 @@ def train(
     clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
     title = f"{report['method']} on {report['data']}, {clients}, {rounds}"
     if report["eval_split"] == "validation":
-        title += ", scored on validation splits held out of the clients' training images (no test image)"
+        title += SCORED_ON_VALIDATION
     if "privacy" in report:  # as the paper's Table 5: the clients' mean ε ± std
         privacy = report["privacy"]
         title += (
             f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
         )
-    out_console.print(results_table(report["summary"], title, report["metric"], report["selected_on_test"]))
+    selected = report["selected_on_test"]
+    out_console.print(results_table(report["summary"], title, report["metric"], selected, report["eval_split"]))
     if "cost" in report:  # not for a run resumed from rounds recorded before costs were
         out_console.print(cost_summary(report["cost"]), soft_wrap=True)
     out_console.print(f"run directory: {train_config.out}", soft_wrap=True)
@@ -382,7 +385,9 @@ def evaluate(
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return
     evaluation = api.evaluate(run, ood_limit=ood_limit, weights=weights)
-    out_console.print(results_table(summarize(evaluation), f"evaluation of {run}", evaluation["metric"]))
+    split = evaluation["eval_split"]
+    title = f"evaluation of {run}" + (SCORED_ON_VALIDATION if split == "validation" else "")
+    out_console.print(results_table(summarize(evaluation), title, evaluation["metric"], eval_split=split))
     out_console.print(f"written to {run / 'eval.json'}", soft_wrap=True)
 
 
@@ -533,11 +538,11 @@ def info(
     if "client_store" in resolved:
         where = f" ({run / 'client_store'})" if resolved["client_store"] == "disk" else ", in the checkpoints"
         out_console.print(f"client state: {resolved['client_store']}{where}", soft_wrap=True)
-    if "parameter_counts" in resolved:  # the columns of the PerAda paper's Table 1, per client
-        counts = resolved["parameter_counts"]
+    counts = finished.get("cost", {}).get("parameters")  # the columns of the PerAda paper's Table 1, measured
+    if counts:
         out_console.print(
             f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
-            f"{counts['communicated']:,} communicated parameters",
+            f"{counts['communicated']:,} communicated elements",
             soft_wrap=True,
         )
     if config.privacy.enabled:

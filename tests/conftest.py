@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from peradapt.compute.costs import elements, own_elements
 from peradapt.config import MethodConfig, setting_owners
 from peradapt.methods import METHODS, Method
 
@@ -52,6 +53,17 @@ def method_config(method: str | type[Method], /, **values: Any) -> tuple[MethodC
     others = {key for key in values if key not in own and setting_owners(key)}
     shared = MethodConfig(**{key: value for key, value in values.items() if key not in own | others})
     return shared, cls.settings_class(**{key: value for key, value in values.items() if key in own})
+
+
+def measured_counts(method: Method, client: Any, global_state: dict) -> dict[str, int]:
+    """Per client, what a run measures (`federation.engine`: the round records' and the final evaluation's): the
+    elements one client update of `client` trains and uploads, then the elements of its model that are its own."""
+    trainer = method.trainer
+    before = trainer.elements_trained
+    update = method.client_update(client, method.payload(client.client_id, global_state), seed=0)
+    trained = trainer.elements_trained - before
+    personalized = own_elements(method.personalized(client.client_id, global_state), global_state)
+    return {"personalized": personalized, "trained": trained, "communicated": elements(update.upload)}
 
 
 def settings(fmnist_dir: Path, out: Path, **overrides: object) -> dict:

@@ -116,9 +116,21 @@ def test_bytes_are_the_tensors_each_method_sends(runs, home):
     assert fedrep_up < records(runs["fedrep"])[0]["bytes_down"][0]  # the head stays on the client
     cost = report(runs["fedrep"])["cost"]
     assert cost["bytes_up"] == ROUNDS * 2 * fedrep_up and cost["bytes_up_per_client_round"] == fedrep_up
-    assert (
-        cost["parameters"] == json.loads((runs["fedrep"] / "config.json").read_text())["resolved"]["parameter_counts"]
-    )
+    # per client, measured: the body and its statistics sent, the head the client's own, every parameter trained
+    # (the head's job, then the body's)
+    session = session_of(runs["fedrep"])
+    body = {k: t for k, t in session.initial.items() if k in session.method.shared and t.is_floating_point()}
+    head = {k: t for k, t in session.initial.items() if k not in session.method.shared and t.is_floating_point()}
+    assert cost["parameters"] == {
+        "personalized": sum(t.numel() for t in head.values()),
+        "trained": session.model.num_trainable(),
+        "communicated": sum(t.numel() for t in body.values()),
+    }
+    for record in records(runs["fedrep"]):
+        assert record["parameter_counts"] == {
+            "trained": session.model.num_trainable(),
+            **{"communicated": cost["parameters"]["communicated"]},
+        }
 
 
 def test_client_samples_are_the_hand_count_and_the_bound_is_exact(runs, home):

@@ -21,7 +21,7 @@ from peradapt.data.ood import OodTarget, load_ood
 from peradapt.errors import ConfigError, DataError
 
 from .conftest import TINY_BACKBONE
-from .test_cli import expect_refusal, run_cli
+from .test_cli import crash_after_round, expect_refusal, run_cli
 
 datasets = pytest.importorskip("datasets")
 
@@ -387,6 +387,24 @@ def test_imagefolder_run_with_ood_sets_and_new_clients_from_every_source(
         [written] = [p for p in (run / "new_clients").iterdir() if p.name.endswith(Path(spec).name)]
         recorded = json.loads((written / "result.json").read_text())
         assert (recorded["train_samples"], recorded["test_samples"]) == samples
+
+
+def test_resume_after_a_file_left_the_imagefolder_says_the_data_changed(weights, tmp_path, capsys, monkeypatch):
+    images = write_folder(tmp_path / "pets")
+    run = tmp_path / "run"
+    args = train_args(f"imagefolder:{images}", run, weights)
+    crash_after_round(1, args, capsys, monkeypatch)
+    next((images / CLASSES[0]).iterdir()).unlink()
+    err = expect_refusal(
+        ["train", "--out", str(run), "--resume"],
+        capsys,
+        monkeypatch,
+        f"the images of --data imagefolder:{images} changed since this run started",
+        "pool_size 31, and the data has 30 now",
+        "put the files back",
+        untouched=run,
+    )
+    assert "--limit-samples" not in err
 
 
 def test_hf_run_with_named_columns_and_imagefolder_distillation(

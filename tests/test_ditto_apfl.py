@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.testing import assert_close
 
+from peradapt.compute.costs import elements
 from peradapt.methods import ClientUpdate, MethodContext
 from peradapt.methods.apfl import ALPHA_KEY, APFL, LOCAL_KEY
 from peradapt.methods.base import PERSONAL_KEY, Method
 from peradapt.methods.ditto import Ditto
 from peradapt.rundir.store import ClientStore
 
-from .conftest import method_config
+from .conftest import measured_counts, method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer, train_mode
 
@@ -97,9 +98,11 @@ def test_ditto_server_update_is_the_sample_weighted_fedavg_mean():
 def test_ditto_class_attributes_and_parameter_counts():
     trainer = tiny_trainer()
     method = Ditto(context(trainer, trainer.model.state(), Ditto))
-    n = trainer.model.num_trainable()
+    n, whole = trainer.model.num_trainable(), elements(trainer.model.state())
     assert (Ditto.default_scope, Ditto.uses_proximal, Method.uses_proximal) == ("full", True, False)
-    assert method.parameter_counts() == {"personalized": n, "trained": 2 * n, "communicated": n}
+    # v_m and w_m trained; v_m the client's own, its statistics too; w_m sent with its statistics
+    counts = measured_counts(method, client(0, image_set(BATCH, seed=3)), trainer.model.state())
+    assert counts == {"personalized": whole, "trained": 2 * n, "communicated": whole}
 
 
 # ---------------------------------------------------------------- APFL
@@ -210,9 +213,11 @@ def test_apfl_server_update_is_the_uniform_mean_of_equation_8():
     assert_close(averaged["w"], torch.tensor([3.0, 2.0]))
     assert averaged["steps"].item() == 4
     assert info == {}
-    n = trainer.model.num_trainable()
+    n, whole = trainer.model.num_trainable(), elements(trainer.model.state())
     assert APFL.default_scope == "full"
-    assert method.parameter_counts() == {"personalized": n, "trained": 2 * n, "communicated": n}
+    # v_m and w trained (alpha_m, one scalar, is not counted: Table 1); the mixed model is the client's own
+    counts = measured_counts(method, client(0, image_set(BATCH, seed=3)), trainer.model.state())
+    assert counts == {"personalized": whole, "trained": 2 * n, "communicated": whole}
 
 
 # ---------------------------------------------------------------- command line

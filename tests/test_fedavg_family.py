@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from peradapt.compute.costs import elements
 from peradapt.config import DistillConfig, MethodConfig
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
@@ -17,7 +18,7 @@ from peradapt.methods.feddf import FedDF
 from peradapt.methods.standalone import OWN_KEY, Standalone
 from peradapt.rundir.store import ClientStore
 
-from .conftest import method_config
+from .conftest import measured_counts, method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import (
     BATCH,
@@ -112,14 +113,20 @@ def test_aggregation_is_refused_by_methods_that_average_nothing():
 
 def test_fedavg_parameter_counts_and_default_scope():
     trainer = tiny_trainer()
-    n = trainer.model.num_trainable()
+    n, whole = trainer.model.num_trainable(), elements(trainer.model.state())
+    clients = [client(0, image_set(BATCH, seed=3))]
     counts = {
-        cls: cls(method_context(trainer, trainer.model.state())).parameter_counts()
+        cls: measured_counts(
+            cls(method_context(trainer, trainer.model.state(), clients, method=cls)), clients[0], trainer.model.state()
+        )
         for cls in (FedAvg, FedAvgFT, Standalone, FedDF)
     }
-    assert counts[FedAvg] == counts[FedDF] == {"personalized": 0, "trained": n, "communicated": n}
-    assert counts[FedAvgFT] == {"personalized": n, "trained": n, "communicated": n}
-    assert counts[Standalone] == {"personalized": n, "trained": n, "communicated": 0}
+    # the model and its statistics sent; FedAvg's clients have no model of their own, Standalone's send nothing
+    assert counts[FedAvg] == counts[FedDF] == {"personalized": 0, "trained": n, "communicated": whole}
+    assert counts[Standalone] == {"personalized": whole, "trained": n, "communicated": 0}
+    # fine-tuning makes every trained parameter the client's own, and the statistics of the layers that see data
+    tuned = counts[FedAvgFT]
+    assert n < tuned["personalized"] <= whole and (tuned["trained"], tuned["communicated"]) == (n, whole)
     assert {cls.default_scope for cls in counts} == {"full"}  # full-model baselines in Tables 1 and 2
 
 
@@ -246,5 +253,5 @@ def test_one_round_from_the_command_line(name, tmp_path, fmnist_dir, home, capsy
     assert report["method"] == name and len(report["personalized"]["local_test"]["per_client"]) == 4
     resolved = json.loads((run / "config.json").read_text())["resolved"]
     assert resolved["scope"] == "full"
-    communicated = resolved["parameter_counts"]["communicated"]
+    communicated = report["cost"]["parameters"]["communicated"]
     assert (communicated == 0) == (name == "standalone")

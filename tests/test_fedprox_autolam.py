@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 import peradapt.federation.engine as engine
 from peradapt.cli import main
+from peradapt.compute.costs import elements
 from peradapt.config import MethodConfig
 from peradapt.errors import RunError
 from peradapt.methods import METHODS, ClientUpdate, Method, MethodContext, auto_lam
@@ -26,6 +27,7 @@ from peradapt.methods.fedprox import FedProx
 from peradapt.methods.perada import PerAda, PerAdaNoKD
 from peradapt.rundir.store import ClientStore
 
+from .conftest import measured_counts
 from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer
 
@@ -110,8 +112,10 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
 def test_method_flags_and_parameter_counts():
     trainer = tiny_trainer()
     method = fedprox(trainer, trainer.model.state())
-    trainable = trainer.model.num_trainable()
-    assert method.parameter_counts() == {"personalized": trainable, "trained": trainable, "communicated": trainable}
+    trainable, whole = trainer.model.num_trainable(), elements(trainer.model.state())
+    # only the personalized w_i trains (w_g is averaged), and it is both the client's own and what it sends
+    counts = measured_counts(method, client(0, image_set(BATCH, seed=3)), trainer.model.state())
+    assert counts == {"personalized": whole, "trained": trainable, "communicated": whole}
     assert METHODS["fedprox"] is FedProx and FedProx.default_scope == "adapter"
     assert FedProx.uses_proximal and PerAda.uses_proximal and PerAdaNoKD.uses_proximal  # nokd keeps line 10
     assert not Method.uses_proximal

@@ -14,7 +14,7 @@ from peradapt.methods import METHODS, ClientUpdate, MethodContext
 from peradapt.methods.fedprox_li import FedProxLi
 from peradapt.rundir.store import ClientStore
 
-from .conftest import method_config
+from .conftest import measured_counts, method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_partial import export_loads_in_plain_timm, full_trainer
 from .test_perada import BATCH, TOL, client, hand_sgd_step, image_set, perturbed
@@ -66,7 +66,7 @@ def test_server_takes_the_sample_weighted_mean_and_every_client_uses_the_global_
         assert_close(new_global[key], sum(n * u[key] for n, u in zip(sizes, uploads, strict=True)) / 10, **TOL)
     assert info == {}
     assert method.personalized(2, new_global) is new_global
-    assert method.parameter_counts()["personalized"] == 0
+    assert measured_counts(method, client(0, image_set(BATCH, seed=3)), new_global)["personalized"] == 0  # w alone
     assert FedProxLi.default_scope == "full" and not FedProxLi.uses_proximal  # --lam auto is Yu et al.'s
 
 

@@ -20,6 +20,7 @@ import peradapt.federation.engine as engine
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.commands.finished_run import open_run
+from peradapt.compute.costs import elements
 from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.config import TrainConfig
 from peradapt.data import ClientData, ImageSet
@@ -29,7 +30,7 @@ from peradapt.methods.base import PERSONAL_KEY
 from peradapt.methods.fedrod import FedRoD
 from peradapt.rundir.store import ClientStore
 
-from .conftest import TINY_BACKBONE, method_config
+from .conftest import TINY_BACKBONE, measured_counts, method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, SIZE, TOL, normalized
 
@@ -260,12 +261,13 @@ def test_server_takes_the_sample_weighted_mean_and_keeps_the_global_head():
     own = {k: torch.full_like(initial[k], 0.5) for k in HEAD}
     method.store.put(2, PERSONAL_KEY, own)
     assert_close(method.personalized(2, new_global), {**split(new_global, HEAD)[1], **own})
-    counts = method.parameter_counts()
+    counts = measured_counts(method, client(2, labeled_images(BATCH, 4, [0] * BATCH)), new_global)
     head = CLASSES * (trainer.model.personal_head.in_features + 1)
+    # the personal head is the client's own, the rest (statistics included) is sent; one job trains everything
     assert counts == {
         "personalized": head,
         "trained": trainer.model.num_trainable(),
-        "communicated": trainer.model.num_trainable() - head,
+        "communicated": elements(new_global) - head,
     }
 
 

@@ -178,6 +178,19 @@ def test_methods_of_an_unknown_name_speaks_of_the_method(capsys, monkeypatch):
     assert "--method" not in err
 
 
+def test_eval_of_a_validation_run_says_it_scores_validation_splits(tmp_path, fmnist_dir, capsys, monkeypatch, home):
+    run = tmp_path / "run"
+    code, out, err = run_cli(
+        tiny_args(fmnist_dir, run, "--rounds", "1", "--eval-split", "validation"), capsys, monkeypatch
+    )
+    assert code == 0, err
+    for printed in (out, run_cli(["eval", "--run", str(run)], capsys, monkeypatch)[1]):
+        assert "local-validation" in printed and "global-validation" in printed, printed
+        assert "no test image" in " ".join(printed.split()) and "validation set" in printed  # the title wraps
+        assert not any(word in printed for word in ("local-test", "global-test", "test set")), printed
+    assert json.loads((run / "eval.json").read_text())["eval_split"] == "validation"
+
+
 NO_TRANSFORMERS = textwrap.dedent(
     """
     import sys

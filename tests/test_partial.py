@@ -16,12 +16,14 @@ from torch.testing import assert_close
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
 from peradapt.commands.finished_run import open_run
+from peradapt.compute.costs import elements
 from peradapt.compute.trainer import InputPipeline, LocalTrainer
+from peradapt.data import ImageSet
 from peradapt.methods import METHODS, ClientUpdate, MethodContext
 from peradapt.methods.base import PERSONAL_KEY
 from peradapt.rundir.store import ClientStore
 
-from .conftest import TINY_BACKBONE, method_config
+from .conftest import TINY_BACKBONE, measured_counts, method_config
 from .test_cli import run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed
 
@@ -294,17 +296,26 @@ def test_parameter_counts_reproduce_table_1(resnet18_trainers):
     inputs = conv(3, 64, 7) + 2 * 64 + first_convs + 2 * sum(2 * c for c in widths)  # stem + every block's conv1, bn1
     adapters = sum(4 * (c * c + 2 * c) for c in widths)  # 1x1 conv + BN after each of 2 convs x 2 blocks per stage
     personal = {"bn": bn, "input": inputs, "output": head, "extractor": full - head, "adapter": adapters}
+    generator = torch.Generator().manual_seed(0)
+    data = ImageSet(torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=generator), torch.arange(4), 10)
     for name, part, paper_trained, paper_communicated in TABLE_1:
         trainer = resnet18_trainers["residual" if part == "adapter" else "none"]
-        method = build(name, trainer, trainer.model.state(), part)
-        counts = method.parameter_counts()
+        state = trainer.model.state()
+        method = build(name, trainer, state, part)
+        counts = measured_counts(method, client(0, data), state)  # one client update of a round, as a run measures
         mine = personal[method.part if method.part != "head" else "output"]
         trained = full + (adapters if part == "adapter" else 0)
-        assert counts == {"personalized": mine, "trained": trained, "communicated": trained - mine}, name
+        # parameters as the paper counts them, and the running statistics where they are the client's or travel
+        statistics = {
+            k for k, t in state.items() if t.is_floating_point() and k not in trainer.model.trainable_parameters()
+        }
+        own = elements({k: state[k] for k in method.personal if k in statistics})
+        sent = elements({k: state[k] for k in statistics if k not in method.personal})
+        assert counts == {"personalized": mine + own, "trained": trained, "communicated": trained - mine + sent}, name
         # Table 1 is arithmetic on rounded layer sizes (11.18 - 0.005 printed 11.17, 11.18 + 1.41 printed 12.59
-        # where 1.41M is PerAda's adapter with its own BN and head): every column is within 0.01M.
+        # where 1.41M is PerAda's adapter with its own BN and head): every column, in parameters, is within 0.01M.
         assert abs(counts["trained"] / 1e6 - paper_trained) < 0.01, (name, part)
-        assert abs(counts["communicated"] / 1e6 - paper_communicated) < 0.01, (name, part)
+        assert abs((counts["communicated"] - sent) / 1e6 - paper_communicated) < 0.01, (name, part)
     assert round(inputs / 1e6, 2) == 4.73 and round((full - inputs) / 1e6, 2) == 6.45  # Table 7 "Input layer"
     assert round(head / 1e6, 4) == 0.0051  # "the output layer consists of 0.0051M parameters"
 
@@ -338,8 +349,9 @@ def test_one_round_on_the_command_line(name, extra, tmp_path, fmnist_dir, capsys
     resolved = json.loads((run / "config.json").read_text())["resolved"]
     assert resolved["scope"] == "full"
     assert resolved["adapter"] == ("residual" if extra else "none")
-    counts = resolved["parameter_counts"]
-    assert counts["personalized"] + counts["communicated"] == counts["trained"] == resolved["trainable_parameters"]
+    counts = report["cost"]["parameters"]  # measured: the model's own part and the sent part, statistics included
+    assert counts["trained"] == resolved["trainable_parameters"]
+    assert counts["personalized"] + counts["communicated"] == elements(open_run(run).initial)
     if not extra:  # a plain network (`--adapter none`): exported as the backbone and a weights file per client
         export_loads_in_plain_timm(run, tmp_path / "exported", capsys, monkeypatch)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
+from peradapt.compute.costs import elements
 from peradapt.config import MethodConfig
 from peradapt.errors import ConfigError
 from peradapt.methods import ClientUpdate, MethodContext
@@ -25,7 +26,7 @@ from peradapt.rundir.checkpoint import load_latest_checkpoint
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, derive_seed
 
-from .conftest import method_config
+from .conftest import measured_counts, method_config
 from .test_cli import expect_user_error, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, image_set, normalized, perturbed, tiny_trainer, train_mode
 
@@ -483,9 +484,11 @@ def test_am_overrides_beta():
 
 def test_parameter_counts_are_two_models_trained_one_sent():
     trainer = tiny_trainer()
-    n = trainer.model.num_trainable()
+    n, whole = trainer.model.num_trainable(), elements(trainer.model.state())
+    data = image_set(BATCH, seed=3)
     for cls in (PFedMe, PFedBreD):
-        assert make(cls, trainer).parameter_counts() == {"personalized": n, "trained": 2 * n, "communicated": n}
+        counts = measured_counts(make(cls, trainer), client(0, data), trainer.model.state())
+        assert counts == {"personalized": whole, "trained": 2 * n, "communicated": whole}  # theta_i and w_i
         assert cls.default_scope == "full" and cls.uses_proximal
 
 

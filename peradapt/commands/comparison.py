@@ -149,16 +149,12 @@ def compare(
     shown together (each method against the reference; all pairs for the ranks). `dry_run`: instead, what the
     sweep would run and about how long it would take here, with nothing written (`commands.estimate`).
     `target_accuracy`: the local-test (percent) that "rounds to" counts to (default: `TARGET_SHARE` of the best
-    method's final mean)."""
+    method's final mean). `seeds`: at least one, all below `TUNING_SEED` (`peradapt.api.compare` checks them)."""
     console = console or text_console(stderr=True)
     if test not in TEST_LABELS:
         raise ConfigError(f"unknown --test '{test}': use {' or '.join(TEST_LABELS)}")
     methods = _checked_methods(settings, methods, anchors)
     reference = _reference(reference, methods)
-    if not seeds:
-        raise ConfigError("--seeds must be at least 1")
-    if max(seeds) >= TUNING_SEED:
-        raise ConfigError(f"--seeds must be below {TUNING_SEED}: seed {TUNING_SEED} is the trials' partition")
     settings = _with_holdout(settings, methods[0], console)
     if dry_run:
         return estimate_sweep(settings, methods, [] if tune_only else seeds, tune_trials)
@@ -407,7 +403,7 @@ def _row(method: str, runs: list[Path], facts: list[dict], versus: PairedTest, c
         "method": method,
         "scope": resolved.get("scope", "adapter"),
         "metric": facts[0]["report"].get("metric", "accuracy"),
-        **resolved.get("parameter_counts", {}),
+        **facts[0]["report"].get("cost", {}).get("parameters", {}),  # per client, as measured in the run
         "tuned": chosen,
         "runs": [str(run) for run in runs],
     }

@@ -43,7 +43,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from peradapt.adapters.branch import AdapterDropout, ChannelProjection, keep_mask
 from peradapt.adapters.model import logits_of
 from peradapt.backbones.small_inputs import SmallInputConv2d
-from peradapt.compute.costs import sgd_samples
+from peradapt.compute.costs import ClientWork, sgd_samples
 from peradapt.compute.fused import RANDOM_DRAWS, FusedStep, fusable, masked_dropouts
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult, T, finite_means, task_loss
 from peradapt.data import ImageSet
@@ -222,30 +222,33 @@ class ConcurrentSGD:
     def run_steps(
         self,
         steps: Sequence[Generator[SGDJob, SGDResult, T]],
-        on_finished: Callable[[int, int], None] | None = None,
+        on_finished: Callable[[int, ClientWork], None] | None = None,
         shares: Sequence[float] | None = None,
     ) -> list[T]:
         """Drive generators of SGD jobs (e.g. `LocalSGDMethod.client_steps`) side by side: the next job of each
         trained together with the others' (`run`); what each returns, in their order, calling
-        `on_finished(i, samples)` as the i-th one ends, with the training samples of its jobs (the minibatches
-        `LocalTrainer.minibatches` draws for them: `sgd_samples`) and of what it trains itself between them (FedALA's
-        ALA, counted by `LocalTrainer.samples_trained`). `LocalTrainer.run_steps` drives one. `shares`: the share of
-        its work each does (`LocalTrainer.work_share`; None: all)."""
+        `on_finished(i, work)` as the i-th one ends, with the training samples of its jobs (the minibatches
+        `LocalTrainer.minibatches` draws for them: `sgd_samples`) and the elements they train, and what it trains
+        itself between them (FedALA's ALA, counted by `LocalTrainer.samples_trained` and `elements_trained`).
+        `LocalTrainer.run_steps` drives one. `shares`: the share of its work each does (`LocalTrainer.work_share`;
+        None: all)."""
         finished: dict[int, T] = {}
         pending: dict[int, SGDJob] = {}
-        samples = [0] * len(steps)
+        work = [ClientWork() for _ in steps]
         shares = [1.0] * len(steps) if shares is None else shares
+        trainer = self.trainer
 
         def advance(index: int, result: SGDResult | None) -> None:
-            before = self.trainer.samples_trained
+            samples, trained = trainer.samples_trained, trainer.elements_trained
             try:
-                with self.trainer.sharing(shares[index]):  # what a client trains itself between jobs: its share
+                with trainer.sharing(shares[index]):  # what a client trains itself between jobs: its share
                     pending[index] = steps[index].send(result)  # type: ignore[arg-type]  # None starts a generator
             except StopIteration as done:
                 finished[index] = done.value
-            samples[index] += self.trainer.samples_trained - before  # trained by the client itself: FedALA's ALA
+            work[index].samples += trainer.samples_trained - samples  # trained by the client itself: FedALA's ALA
+            work[index].trained += trainer.elements_trained - trained
             if index in finished and on_finished is not None:
-                on_finished(index, samples[index])
+                on_finished(index, work[index])
 
         for index in range(len(steps)):
             advance(index, None)
@@ -255,9 +258,10 @@ class ConcurrentSGD:
             job_shares = [shares[index] for index in jobs]
             for index, result in zip(jobs, self.run(list(jobs.values()), job_shares), strict=True):
                 job = jobs[index]
-                samples[index] += sgd_samples(
-                    len(job.data), self.trainer.batch_size, epochs=job.epochs, steps=job.steps, share=shares[index]
+                work[index].samples += sgd_samples(
+                    len(job.data), trainer.batch_size, epochs=job.epochs, steps=job.steps, share=shares[index]
                 )
+                work[index].trained += sum(job.start[name].numel() for name in job.rates(self.parameter_names))
                 advance(index, result)
         return [finished[index] for index in range(len(steps))]
 

@@ -38,10 +38,29 @@ from peradapt.data import iterate_minibatches
 
 @dataclass
 class ClientWork:
-    """What one client update did: its training samples (see the module's docstring) and wall-clock seconds."""
+    """What one client update did: its training samples (see the module's docstring), wall-clock seconds, and the
+    elements of the parameters it trained (`LocalTrainer.count_trained`: each state it trains counted once, e.g.
+    PerAda's v_m and θ_m twice the adapter)."""
 
     samples: int = 0
     seconds: float = 0.0
+    trained: int = 0
+
+
+def elements(state: Mapping[str, torch.Tensor]) -> int:
+    """The elements of the floating-point tensors of `state` (parameters, running statistics, a method's extra
+    entries; not integer counters)."""
+    return sum(tensor.numel() for tensor in state.values() if tensor.is_floating_point())
+
+
+def own_elements(personalized: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> int:
+    """The elements of a client's model (`personalized`, as the method hands it out) that are its own: every tensor
+    that is not the global model's own tensor object (a method returns the global state's tensors for what it
+    shares: FedAvg all of them, a partial model its shared part). With the elements a client update trains
+    (`ClientWork.trained`) and those of one upload (`elements`: extra entries such as SCAFFOLD's Δc, and running
+    statistics, included), the per-client counts of the PerAda paper's Table 1, measured rather than declared."""
+    shared = {id(tensor) for tensor in global_state.values()}
+    return elements({name: tensor for name, tensor in personalized.items() if id(tensor) not in shared})
 
 
 @dataclass(frozen=True)

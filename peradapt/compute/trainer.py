@@ -100,8 +100,8 @@ class ParameterGroup:
     """State keys that train at one learning rate: their parameters take SGD steps at `lr`, their buffers (BatchNorm
     running statistics) follow the forward passes in training mode."""
 
-    keys: tuple[str, ...]
-    lr: float
+    keys: tuple[str, ...]  # the state keys of the group: parameters and buffers
+    lr: float  # their learning rate
 
 
 @dataclass
@@ -120,16 +120,16 @@ class SGDJob:
     concurrent clients).
     """
 
-    start: AdapterState
-    data: ImageSet
-    epochs: int
-    lr: float
-    seed: int
-    anchor: AdapterState | None = None
-    lam: float = 0.0
-    steps: int | None = None
-    groups: tuple[ParameterGroup, ...] | None = None
-    correction: AdapterState | None = None
+    start: AdapterState  # the state SGD starts from (the model's keys exactly)
+    data: ImageSet  # the minibatches' data: the client's training split
+    epochs: int  # passes over `data` (unless `steps`)
+    lr: float  # the learning rate (of every trained parameter, unless `groups`)
+    seed: int  # the minibatches' order, augmentation and dropout (`derive_seed(seed, PHASE)`)
+    anchor: AdapterState | None = None  # w of the proximal pull lam (v - w); None: no pull
+    lam: float = 0.0  # the pull's strength λ
+    steps: int | None = None  # that many minibatch steps instead of `epochs` passes (--local-steps)
+    groups: tuple[ParameterGroup, ...] | None = None  # what trains at which rate; None: everything at `lr`
+    correction: AdapterState | None = None  # added to every step's gradient, by parameter name; None: nothing
 
     def rates(self, parameters: Iterable[str]) -> dict[str, float]:
         """The learning rate of each of the named `parameters` that trains, in their order."""
@@ -149,13 +149,16 @@ class SGDJob:
 @dataclass(frozen=True)
 class Objective:
     """What local SGD minimizes on a minibatch: the sum of the loss terms `terms(images, labels)` gives, each
-    reported by its name in `names` as its mean over the steps."""
+    reported by its name in `names` as its mean over the steps. `LocalTrainer.descend(job, objective)` descends it
+    (`run`'s is `Objective(lambda x, y: (trainer.unchecked_loss(x, y),), ("loss",))`); a change of the gradient
+    that is a fixed linear term needs none: `SGDJob.correction`. Not DP-SGD, and trained one client at a time."""
 
+    # (images, labels) of a minibatch, the model loaded and in training mode -> the loss terms, scalar tensors
     terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # a name for each term: the keys of the means `descend` returns
 
 
-SGDResult = tuple[AdapterState, float]  # the final state and the mean training loss
+SGDResult = tuple[AdapterState, float]  # what a job gives: the final state and the mean training loss
 T = TypeVar("T")
 
 
@@ -213,14 +216,20 @@ def rate_groups(parameters: dict[str, nn.Parameter], rates: dict[str, float]) ->
 
 @dataclass
 class LocalTrainer:
-    model: AdaptedModel
-    inputs: InputPipeline
-    batch_size: int
-    eval_batch_size: int = 512
+    """Trains and evaluates the one shared model on client data (`self.trainer` of a method): SGD jobs (`run`,
+    `descend`), minibatches and losses for update rules of a method's own, logits and scores."""
+
+    model: AdaptedModel  # the shared model: load a state into it, read its trainable parameters
+    inputs: InputPipeline  # stored images to model inputs (normalized, augmented when training)
+    batch_size: int  # --batch-size: the minibatches' size
+    eval_batch_size: int = 512  # images per inference pass
     privacy: PrivateTraining | None = None  # --dp-noise: every `run` is DP-SGD, its steps charged to the client
     # Samples through a training forward and backward pass in this process (`loss` and `descend` count them; a
     # caller reads the change over a client update: `peradapt.compute.costs`).
     samples_trained: int = field(default=0, init=False)
+    # Elements of the parameters trained in this process, each trained state counted once (`count_trained`; a
+    # caller reads the change over a client update: `costs.ClientWork.trained`).
+    elements_trained: int = field(default=0, init=False)
     # The share of its local work the client being trained does (`sharing`): a straggler's, or its part of what is
     # left of a --budget. Every minibatch schedule (`index_batches`) is cut to that share of its samples.
     work_share: float = field(default=1.0, init=False)
@@ -239,6 +248,12 @@ class LocalTrainer:
         task = Objective(lambda images, labels: (self.unchecked_loss(images, labels),), ("loss",))
         state, means = self.descend(job, task)
         return state, means["loss"]
+
+    def count_trained(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Count `parameters` as one state a client update trains (`elements_trained`): every job of `descend` and
+        `private_sgd` counts its own; a method that trains with update rules of its own counts each model it
+        trains (pFedMe's θ_i and w_i: two)."""
+        self.elements_trained += sum(parameter.numel() for parameter in parameters)
 
     def run_steps(self, steps: Generator[SGDJob, SGDResult, T]) -> T:
         """Drive a generator of SGD jobs (e.g. `LocalSGDMethod.client_steps`) to its end, one job after another."""
@@ -274,6 +289,7 @@ class LocalTrainer:
             values = list(parameters.values())
             anchors = [job.anchor[name] for name in parameters] if job.anchor is not None and job.lam > 0 else None
             corrections = _corrections(job, parameters)
+            self.count_trained(values)
             # One kernel call per operation over all tensors: a ResNet's adapters, BatchNorms and head are ~80 tensors.
             optimizer = torch.optim.SGD(rate_groups(parameters, rates), lr=job.lr, foreach=True)
             steps: list[torch.Tensor] = []
@@ -304,6 +320,7 @@ class LocalTrainer:
         assert privacy is not None and data.labels is not None
         with self._training(job) as (parameters, rates):
             corrections = _corrections(job, parameters)
+            self.count_trained(parameters.values())
             generator = seeded_generator(job.seed)  # Poisson draws, augmentation and dropout; the noise has its own
             batches = privacy.batches(len(data), self.batch_size, job.epochs, job.steps)
             optimizer = privacy.optimizer(rate_groups(parameters, rates), lr=job.lr, batches=batches, seed=job.seed)

@@ -87,9 +87,11 @@ MIN_CLIENT_TRAIN = MIN_BATCH_SIZE
 
 @dataclass(frozen=True)
 class ClientData:
-    client_id: int
-    train: ImageSet
-    test: ImageSet
+    """One client's data: what a method's hooks are given as `client`."""
+
+    client_id: int  # its id, 0 .. N-1 for the federated clients (the --holdout-clients after them)
+    train: ImageSet  # its training split, the data its updates train on; `len(client.train)`: its n_m
+    test: ImageSet  # its local test split, which the engine evaluates its personalized model on
     # Into the dataset's client pool and its (limited) test set; both rows of the whole training set for a
     # partition of layout train-rows (the PerAda authors' partition files).
     train_indices: np.ndarray
@@ -699,6 +701,13 @@ def _given_parts(
     record's lists and validation rows must not meet each other or ``reserved`` either)."""
     expected = {"dataset": dataset, "pool_size": pool_size, "test_size": test_size}
     for key, value in expected.items():
+        if key in given and given[key] != value and origin is _SAVED and key != "dataset":
+            # --resume holds --data and --limit-samples to the run's: the files themselves changed
+            raise DataError(
+                f"the images of --data {dataset} changed since this run started: {origin.name} was made for "
+                f"{key} {given[key]}, and the data has {value} now (files added or removed): put the files back "
+                f"as they were, or {origin.remedy}"
+            )
         if key in given and given[key] != value:
             raise DataError(
                 f"{origin.name} was made for {key} {given[key]!r}, but this data has {value!r} "

@@ -37,7 +37,15 @@ from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
 from peradapt.backbones import pin_weights
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.compute.costs import ClientWork, SampleFlops, peak_memory, reset_peak_memory, state_bytes
+from peradapt.compute.costs import (
+    ClientWork,
+    SampleFlops,
+    elements,
+    own_elements,
+    peak_memory,
+    reset_peak_memory,
+    state_bytes,
+)
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
 from peradapt.config import TrainConfig, method_path_label, parse_budget
 from peradapt.data import ClientData
@@ -357,6 +365,10 @@ class Clients(Protocol):
         """Client id -> the adapter it is evaluated and exported with (`Method.personalized`), to be asked for
         `clients` in their order, after round `played` with the checkpoint of round `checkpointed` written."""
 
+    def own_elements(self, client_id: int, state: AdapterState, global_state: AdapterState) -> int:
+        """The elements of client `client_id`'s personalized adapter `state` (as `personalized` gave it, with
+        `global_state`) that are its own (`costs.own_elements`)."""
+
     def traffic(self) -> dict:
         """What was sent since the last call, for the round's record: at least the bytes sent to (`bytes_down`) and
         by (`bytes_up`) each trained client, in the order of `trained`."""
@@ -395,6 +407,9 @@ class LocalClients:
     ) -> Callable[[int], AdapterState]:
         return lambda client_id: self.session.method.personalized(client_id, global_state)
 
+    def own_elements(self, client_id: int, state: AdapterState, global_state: AdapterState) -> int:
+        return own_elements(state, global_state)
+
     def traffic(self) -> dict:
         traffic, self._traffic = self._traffic, {}
         return traffic
@@ -408,10 +423,12 @@ def play_client(
     process or machine gives the same numbers; `share` of its local work (`LocalTrainer.sharing`)."""
     client_seed = derive_seed(session.config.seed, round_index, client_id)
     trainer, started = session.trainer, time.perf_counter()
-    samples = trainer.samples_trained
+    samples, trained = trainer.samples_trained, trainer.elements_trained
     with charged_to(trainer.privacy, session.store, client_id), trainer.sharing(share):  # --dp-noise: its DP-SGD steps
         update = session.method.client_update(session.data.clients[client_id], payload, client_seed)
-    update.work = ClientWork(trainer.samples_trained - samples, time.perf_counter() - started)
+    update.work = ClientWork(
+        trainer.samples_trained - samples, time.perf_counter() - started, trainer.elements_trained - trained
+    )
     return update
 
 
@@ -430,17 +447,17 @@ def play_clients_together(
         method.client_steps(session.data.clients[c], task.payloads[c], derive_seed(seed, task.round_index, c))
         for c in client_ids
     ]
-    samples = [0] * len(client_ids)
+    work: dict[int, ClientWork] = {}
 
-    def finished(index: int, trained: int) -> None:
-        samples[index] = trained
+    def finished(index: int, done: ClientWork) -> None:
+        work[index] = done
         on_client(client_ids[index])
 
     started = time.perf_counter()
     updates = concurrent.run_steps(steps, on_finished=finished, shares=[task.share(c) for c in client_ids])
     seconds = (time.perf_counter() - started) / len(client_ids)  # one pass for all: its time shared out evenly
-    for update, trained in zip(updates, samples, strict=True):
-        update.work = ClientWork(trained, seconds)
+    for index, update in enumerate(updates):
+        update.work = ClientWork(work[index].samples, seconds, work[index].trained)
     return updates
 
 
@@ -669,6 +686,11 @@ def _run_rounds(
                 record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
                 evaluation_samples = sum(method.personalization_samples(client) for client in evaluated)
             record.update(clients.traffic())
+            if updates:  # what a client trains and sends, as measured (`costs.parameter_counts`)
+                record["parameter_counts"] = {
+                    "trained": max(update.work.trained for update in updates),
+                    "communicated": max(elements(update.upload) for update in updates),
+                }
             samples = [update.work.samples for update in updates]  # `updates` are in the order of `trained`
             record["client_samples"] = samples
             record["cost"] = {  # the round's totals: deterministic, identical on --resume
@@ -779,22 +801,49 @@ def _finish(
         finished = progress.add_task("final evaluation and export", total=len(federated))
         # Each personalized adapter is asked for once (under Flower, fetched from its node once): scored and saved.
         personalized = clients.personalized(federated, global_state, played=played, checkpointed=played)
+        own = _OwnElements(clients, personalized, global_state, _first_trained(history))
         evaluation = _evaluate(
             session,
-            exporting(session.model, personalized, paths.root),
+            exporting(session.model, own, paths.root),
             global_state,
             federated,
             global_test_clients={c.client_id for c in session.client_sample},
             on_client=lambda: progress.advance(finished),
         )
         session.model.save_pretrained(paths.global_adapter, global_state)
-    report = build_report(session, evaluation, history, flops)
+    report = build_report(session, evaluation, history, flops, personalized_elements=own.counted)
     # The clients' data as scored: a table built from this report can be checked against the split it names.
     report["partition_sha256"] = hashlib.sha256(paths.partition.read_bytes()).hexdigest()
     write_json_atomic(paths.report, report)
     if tracking is not None:
         tracking.finish(report)
     return report
+
+
+def _first_trained(history: list[dict]) -> int:
+    """The first client that trained in the rounds of `history` (client 0 if none did)."""
+    for record in history:
+        answered = [c for c in record["clients"] if c not in record.get("unanswered", [])]
+        if answered:
+            return answered[0]
+    return 0
+
+
+class _OwnElements:
+    """`personalized`, which also counts, for client `client`, the elements of its model that are its own
+    (`Clients.own_elements`), as the final evaluation asks for it."""
+
+    def __init__(
+        self, clients: Clients, personalized: Callable[[int], AdapterState], global_state: AdapterState, client: int
+    ) -> None:
+        self.clients, self.personalized, self.global_state, self.client = clients, personalized, global_state, client
+        self.counted = 0
+
+    def __call__(self, client_id: int) -> AdapterState:
+        state = self.personalized(client_id)
+        if client_id == self.client:
+            self.counted = self.clients.own_elements(client_id, state, self.global_state)
+        return state
 
 
 def exporting(
@@ -819,7 +868,9 @@ def exporting(
     return personalized_and_exported
 
 
-def build_report(session: Session, evaluation: dict, history: list[dict], flops: SampleFlops) -> dict:
+def build_report(
+    session: Session, evaluation: dict, history: list[dict], flops: SampleFlops, *, personalized_elements: int
+) -> dict:
     def with_stats(values: list[float], **clients: list[int]) -> dict:
         return {**summary(values), "per_client": values, **clients}
 
@@ -857,11 +908,11 @@ def build_report(session: Session, evaluation: dict, history: list[dict], flops:
         "backbone_parameters": session.model.num_backbone(),
         **held_out,
         **privacy_report(session.trainer.privacy, session.store, evaluation["clients"]),
-        **cost_report(session, history, flops),
+        **cost_report(session, history, flops, personalized_elements),
     }
 
 
-def cost_report(session: Session, history: list[dict], flops: SampleFlops) -> dict:
+def cost_report(session: Session, history: list[dict], flops: SampleFlops, personalized_elements: int) -> dict:
     """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, the final
     personalization's, with the method's parameter counts and the budget. Nothing for a run with rounds from before
     costs were recorded (resumed); a total a round from before it was counted lacks is null."""
@@ -891,7 +942,15 @@ def cost_report(session: Session, history: list[dict], flops: SampleFlops) -> di
             **later,
             "training_flops_per_sample": flops.training,
             "inference_flops_per_sample": flops.inference,
-            "parameters": session.method.parameter_counts(),
+            # per client, measured: its model's own elements (in the final evaluation), the most one client update
+            # trained and sent (`parameter_counts` of the round records)
+            "parameters": {
+                "personalized": personalized_elements,
+                **{
+                    key: max((r["parameter_counts"][key] for r in history if "parameter_counts" in r), default=0)
+                    for key in ("trained", "communicated")
+                },
+            },
             "budget": None
             if limit is None
             else {

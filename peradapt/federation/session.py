@@ -91,7 +91,6 @@ class Session:
             "adapter": self.adapter_kind,
             "scope": self.model.scope,
             "client_store": self.store.kind,
-            "parameter_counts": self.method.parameter_counts(),
             "weights": self.backbone.source,
             "backbone_sha256": self.backbone_sha256,
             "device": str(self.device),

@@ -20,6 +20,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from peradapt.compute.costs import own_elements
 from peradapt.errors import ConfigError
 from peradapt.federation.engine import play_client
 from peradapt.federation.session import Session, open_session
@@ -75,6 +76,7 @@ def train(message: Message, context: Context) -> Message:
                 {
                     r.NUM_SAMPLES: update.num_samples,
                     r.SAMPLES_TRAINED: update.work.samples,
+                    r.ELEMENTS_TRAINED: update.work.trained,
                     r.SECONDS: update.work.seconds,
                 }
             ),
@@ -103,6 +105,8 @@ def personalized(message: Message, context: Context) -> Message:
         content = RecordDict({r.SAME_AS: ConfigRecord({r.SAME_AS: same})})
     else:
         content = RecordDict({r.PERSONALIZED: r.to_record(state)})
+    # counted here, where the method's shared tensors are the global state's own (`costs.own_elements`)
+    content[r.COUNTS] = ConfigRecord({r.OWN_ELEMENTS: own_elements(state, global_state)})
     return Message(content, reply_to=message)
 
 

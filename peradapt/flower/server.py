@@ -77,6 +77,9 @@ class FlowerClients:
 
         return personalized
 
+    def own_elements(self, client_id: int, state: AdapterState, global_state: AdapterState) -> int:
+        return self.strategy.own_elements[client_id]  # counted on the node, before its state travelled
+
     def traffic(self) -> dict:
         return self.strategy.traffic()
 

@@ -45,6 +45,7 @@ class PeradaptStrategy:
         self._down: dict[int, int] = {}  # this round's training messages, bytes per client
         self._up: dict[int, int] = {}
         self._evaluation = 0  # bytes of this round's personalized-adapter exchanges, both ways
+        self.own_elements: dict[int, int] = {}  # of each client's personalized adapter, as its node counted them
 
     # ------------------------------------------------------------ setup
 
@@ -111,7 +112,9 @@ class PeradaptStrategy:
             self._up[client] = upload.count_bytes()
             metrics = {name: float(value) for name, value in content[r.METRICS].items()}
             answer = content[r.UPDATE]
-            work = ClientWork(int(answer[r.SAMPLES_TRAINED]), float(answer[r.SECONDS]))  # as the node measured it
+            work = ClientWork(  # as the node measured it
+                int(answer[r.SAMPLES_TRAINED]), float(answer[r.SECONDS]), int(answer[r.ELEMENTS_TRAINED])
+            )
             state = r.from_record(upload, self.session.device)
             updates.append(ClientUpdate(client, state, int(answer[r.NUM_SAMPLES]), metrics, work))
         return updates
@@ -133,6 +136,7 @@ class PeradaptStrategy:
     ) -> dict[int, AdapterState]:
         states = {}
         for client, reply in replies.items():
+            self.own_elements[client] = int(reply.content[r.COUNTS][r.OWN_ELEMENTS])
             if r.SAME_AS in reply.content:
                 named = reply.content[r.SAME_AS][r.SAME_AS]
                 states[client] = global_state if named == r.GLOBAL_STATE else self.session.initial

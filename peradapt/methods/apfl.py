@@ -91,6 +91,8 @@ class APFL(Method):
         eta_alpha = eta if self.settings.alpha_lr is None else self.settings.alpha_lr
         w, v, alpha = global_state, self.local_model(client.client_id), self.alpha(client.client_id)
         trainer.model.train()
+        for _ in range(2 if train_w else 1):  # w and v (alpha_m, one scalar, is not counted: Table 1)
+            trainer.count_trained(trainer.model.trainable_parameters().values())
         w_losses, mixed_losses = [], []
         for images, labels in trainer.minibatches(
             client.train, epochs=config.local_epochs, steps=config.local_steps, seed=derive_seed(seed, LOCAL)
@@ -135,10 +137,6 @@ class APFL(Method):
         """v_bar = alpha v + (1 - alpha) w on the trainable parameters; the buffers (BatchNorm statistics) are v's."""
         parameters = self.trainer.model.trainable_parameters()
         return {**v, **{n: alpha * v[n] + (1.0 - alpha) * w[n] for n in parameters}}
-
-    def parameter_counts(self) -> dict[str, int]:
-        model = self.trainer.model.num_trainable()  # alpha_m, one scalar, is not counted (as in Table 1)
-        return {"personalized": model, "trained": 2 * model, "communicated": model}  # v_m and w_m
 
 
 def _mean(values: list[float]) -> float:

@@ -33,23 +33,40 @@ PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in
 
 @dataclass
 class ClientUpdate:
-    client_id: int
-    upload: AdapterState  # what the client sends to the server
+    """What one client's update returns (`client_update`, `client_steps`): the upload that `server_update` receives
+    among the sampled clients' updates, and what the round's record says of it."""
+
+    client_id: int  # the client's id, `client.client_id`
+    # What the client sends to the server, as `server_update` receives it: the trained state, and any entries of
+    # the method's own under names no model state has (SCAFFOLD's Δc_i), which `server_update` must take out
+    # before it averages (`server_mean` averages every entry) and which count as bytes sent.
+    upload: AdapterState
+    # n_m, the client's sample count: by convention its training samples, `len(client.train)`; the weights of
+    # `server_mean` under --aggregation samples. (The samples it trained on are measured apart: `work`.)
     num_samples: int
+    # Scalars of the update, each averaged over the round's clients into its record in metrics.jsonl; the
+    # progress line shows `local_loss` (the mean local training loss) as "loss".
     metrics: dict[str, float] = field(default_factory=dict)
     work: ClientWork = field(default_factory=ClientWork)  # filled in by the engine, which measures the update
 
 
 @dataclass
 class MethodContext:
-    config: MethodConfig
-    trainer: LocalTrainer
-    store: ClientStore
+    """What a method is built with (`Method.__init__` keeps it as `self.context`): the run's settings, trainer,
+    client store and initial state."""
+
+    config: MethodConfig  # the shared settings of the method's training (--lr, --lam, --local-epochs, ...)
+    trainer: LocalTrainer  # the one trainer of the shared model, `self.trainer`
+    store: ClientStore  # the clients' private states across rounds, in every checkpoint: `self.store`
     initial: AdapterState  # the injected adapter before any training: w^0 and every v_m^0
-    distiller: Distiller | None
-    clients: Sequence[ClientData] = ()  # every client's data, for methods that personalize at evaluation time
+    distiller: Distiller | None  # the server's distillation, for methods that set `uses_distillation`; else None
+    # Every client's data, for methods that personalize at evaluation time: the --holdout-clients too, which never
+    # train, so `len(clients)` is not the number of federated clients (`federated` is).
+    clients: Sequence[ClientData] = ()
     run_seed: int = 0  # --seed, for randomness outside the rounds (e.g. fine-tuning at evaluation time)
-    federated: int | None = None  # clients that take part in training (all but --holdout-clients); None: all
+    # N, the number of clients that take part in training (all but --holdout-clients; their ids are 0 .. N-1), as
+    # SCAFFOLD's server scales by |S|/N; None (a context built in code without it): every client of `clients`.
+    federated: int | None = None
     settings: Any = None  # the method's own settings, an instance of its `settings_class`; None: their defaults
 
 
@@ -68,13 +85,29 @@ class ServerStepSettings:
 
 
 class Method(ABC):
+    """A personalization method: its paper's update rules as hooks the engine calls (`client_update`,
+    `server_update`, `personalized`, ...), and class attributes that say what it needs.
+
+    The engine builds it once per run with a `MethodContext` and keeps, for the hooks: `self.context`, the context;
+    `self.config`, the shared settings (`MethodConfig`: `self.config.lr`, `.lam`, `.local_epochs`, ...);
+    `self.settings`, its own settings (an instance of `settings_class`); `self.trainer`, the `LocalTrainer` of the
+    shared model; `self.store`, the `ClientStore`. State it keeps across rounds goes to the store (a client's) or
+    through `server_state` (the server's), so that checkpoints carry it and --resume restores it.
+    """
+
+    # The `--method` name `register` adds it under (built-in methods); a plugin found as `module:Class` or by its
+    # entry point is named that way instead, and need not set it.
     name: ClassVar[str]
-    summary: ClassVar[str]
+    summary: ClassVar[str]  # one line: what `peradapt methods` and the model cards show (the paper, the rule)
     # The settings of its own: `--flag`s and config keys that only the methods declaring them take.
     settings_class: ClassVar[type] = NoSettings
+    # It distills on the server's unlabeled data (`context.distiller`), so it needs --kd-data and is tuned on the
+    # distillation settings.
     uses_distillation: ClassVar[bool] = False
     uses_proximal: ClassVar[bool] = False  # has a proximal strength lam that `--lam auto` may choose
-    default_scope: ClassVar[str] = "adapter"  # what trains unless --scope says otherwise (the paper's setting)
+    # What trains unless --scope says otherwise (the paper's setting): "adapter" (the adapters on the frozen
+    # backbone) or "full" (the whole network: global-model baselines such as FedAvg and SCAFFOLD).
+    default_scope: ClassVar[str] = "adapter"
     # All its training on client data goes through `LocalTrainer.sgd`, which --dp-noise makes DP-SGD.
     supports_dp: ClassVar[bool] = False
     # The model carries a second, personal linear head beside the classifier, zero at start: logits are
@@ -106,7 +139,9 @@ class Method(ABC):
 
     @abstractmethod
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
-        """Train on one sampled client, starting from what the server sent; return the upload."""
+        """Train on one sampled client, starting from what the server sent it (`global_state`: `payload`'s value,
+        extra entries included); return the upload. `seed` is the client's in this round, derived from (run seed,
+        round, client id): draw what it needs from `derive_seed(seed, PHASE)`."""
 
     def server_update(
         self,
@@ -117,7 +152,10 @@ class Method(ABC):
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
         """Build the next global adapter from the uploads of round `round_index` (from 0); return it with metrics to
-        log. Default: the mean of the uploads (`server_mean`), FedAvg's server step, which most methods share."""
+        log in the round's record. `updates`: the sampled clients' that answered, uploads as they were sent (extra
+        entries included); the state returned holds the model's entries only. `seed`: the server's in this round;
+        `on_step(k)`: progress of a server step that takes many (distillation). Default: the mean of the uploads
+        (`server_mean`), FedAvg's server step, which most methods share."""
         return self.server_mean(updates), {}
 
     @abstractmethod
@@ -125,7 +163,8 @@ class Method(ABC):
         """The adapter client `client_id` is evaluated and exported with."""
 
     def server_mean(self, updates: list[ClientUpdate]) -> AdapterState:
-        """The mean of the uploads: n_m-weighted or plain, as --aggregation (or the paper's default) says."""
+        """The mean of the uploads: n_m-weighted (`ClientUpdate.num_samples`) or plain, as --aggregation (or
+        `default_aggregation`) says; of every entry (integer ones, BatchNorm counters, from the first upload)."""
         aggregation = self.config.aggregation or self.default_aggregation
         weights = [u.num_samples for u in updates] if aggregation == "samples" else None
         return average_states([u.upload for u in updates], weights)
@@ -139,13 +178,16 @@ class Method(ABC):
         return sampled
 
     def payload(self, client_id: int, global_state: AdapterState) -> AdapterState:
-        """What the server sends client `client_id` for its update (`client_update`'s `global_state`): the global
-        state itself, unless the method sends each client a model of its own (MTL)."""
+        """What the server sends client `client_id` for its update (`client_update`'s `global_state`), counted as
+        the bytes sent: the global state itself, unless the method sends each client a model of its own (MTL) or
+        more than the model. Entries beyond the model's state may be added under names no model state has
+        (SCAFFOLD's control variate c); the client takes them out before it trains from the state."""
         return global_state
 
     def server_state(self) -> dict[str, torch.Tensor]:
-        """State the server keeps between rounds beyond the global adapter (FedDyn's h, MTL's client models): saved
-        in every round checkpoint and given back to `load_server_state` on --resume."""
+        """State the server keeps between rounds beyond the global adapter (FedDyn's h, MTL's client models,
+        SCAFFOLD's c), as named tensors: saved in every round checkpoint and given back to `load_server_state` on
+        --resume. Default: none."""
         return {}
 
     def load_server_state(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -172,7 +214,8 @@ class Method(ABC):
     ) -> SGDJob:
         """The job of E epochs (or --local-steps) of SGD at --lr from `start`: plain, FedAvg's client step (PerAda
         Algorithm 1, line 15), or proximal towards `anchor` with strength `lam` (FedProx, FedDyn, MTL local problems).
-        `LocalSGDMethod.client_steps` yield it; other callers train it with `LocalTrainer.run`."""
+        `LocalSGDMethod.client_steps` yield it; other callers train it with `LocalTrainer.run`. Its seed is
+        `derive_seed(seed, LOCAL)`; `dataclasses.replace(job, correction=...)` adds a gradient correction."""
         config = self.config
         return SGDJob(
             start,
@@ -184,11 +227,6 @@ class Method(ABC):
             anchor=anchor,
             lam=lam,
         )
-
-    def parameter_counts(self) -> dict[str, int]:
-        """Per client, as in the paper's Table 1: parameters personalized, trained, and sent each round."""
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": trainable, "trained": trainable, "communicated": trainable}
 
     def client_samples_bound(self, client: ClientData) -> int | None:
         """The most training samples (`ClientWork.samples`) one `client_update` of `client` processes, for the
@@ -212,6 +250,7 @@ class Method(ABC):
         return self.sgd_samples(client, self.config.local_epochs, self.config.local_steps)
 
 
+# `client_steps`' type: a generator that yields SGD jobs, is sent each one's result and returns the client's update.
 ClientSteps = Generator[SGDJob, SGDResult, ClientUpdate]
 
 
@@ -223,7 +262,9 @@ class LocalSGDMethod(Method):
 
     @abstractmethod
     def client_steps(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientSteps:
-        """`client_update` as SGD jobs: yield each, receive its (state, mean loss), return the update."""
+        """`client_update` as SGD jobs: yield each `SGDJob`, receive its `SGDResult` (the state after it, its mean
+        loss), return the `ClientUpdate`. Between jobs it may read and write the client store; it must not train
+        the model otherwise (the jobs of several clients may be trained at once)."""
 
     def client_update(self, client: ClientData, global_state: AdapterState, seed: int) -> ClientUpdate:
         return self.trainer.run_steps(self.client_steps(client, global_state, seed))
@@ -282,8 +323,9 @@ METHODS: MethodRegistry = REGISTRY  # the one registry, kept where the config re
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Add a method under its `name`; the settings it takes are its `settings_class`'s. A method of peradapt's own
-    is built-in; one that a plugin module registers this way is named by that module as its source."""
+    """Add a method under its `name` (a class decorator; returns the class); the settings it takes are its
+    `settings_class`'s. A method of peradapt's own is built-in; one that a plugin module registers this way is named
+    by that module as its source. A plugin need not register: `--method module:Class` and entry points find it."""
     taken = METHODS.loaded().get(cls.name)
     if taken is not None and taken is not cls:
         raise TypeError(f"{cls.__module__}.{cls.__qualname__}: method {cls.name} is {taken.__qualname__} already")

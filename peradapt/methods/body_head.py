@@ -117,10 +117,3 @@ class FedBABU(FineTuning, PartialSGD):
 
     def client_samples_bound(self, client: ClientData) -> int:
         return self.local_samples(client)
-
-    def parameter_counts(self) -> dict[str, int]:
-        """The body is sent; fine-tuning personalizes, and trains, the whole model."""
-        parameters = self.trainer.model.trainable_parameters()
-        whole = sum(p.numel() for p in parameters.values())
-        body = sum(parameters[k].numel() for k in self.shared if k in parameters)
-        return {"personalized": whole, "trained": whole, "communicated": body}

@@ -39,7 +39,3 @@ class Ditto(ProximalPersonalization):
 
     def client_samples_bound(self, client: ClientData) -> int:
         return self.local_samples(client) + self.personal_samples(client)
-
-    def parameter_counts(self) -> dict[str, int]:
-        model = self.trainer.model.num_trainable()
-        return {"personalized": model, "trained": 2 * model, "communicated": model}  # v_m and w_m

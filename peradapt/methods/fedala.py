@@ -130,6 +130,7 @@ class FedALA(LocalSGDMethod):
         higher = [parameters[name] for name in self.higher]
         lower = [p for name, p in parameters.items() if name not in difference]
         sample, sample_seed = self.sample(client.train, seed), derive_seed(seed, ALA)
+        trainer.count_trained(weights.values())  # W_i, trained by ALA
         losses: list[float] = []
         try:
             for parameter in lower:  # Θ is fixed below the higher layers: no gradient is needed there
@@ -162,8 +163,3 @@ class FedALA(LocalSGDMethod):
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         """Θ_i: the local model after the client's last round (Θ^0 before its first)."""
         return self.store.get(client_id, LOCAL_KEY) or self.context.initial
-
-    def parameter_counts(self) -> dict[str, int]:
-        parameters = self.trainer.model.trainable_parameters()
-        model, weights = self.trainer.model.num_trainable(), sum(parameters[n].numel() for n in self.higher)
-        return {"personalized": model, "trained": model + weights, "communicated": model}  # Θ_i and W_i

@@ -54,10 +54,6 @@ class FedAvg(LocalSGDMethod):
     def personalize_new_client(self, client: ClientData, global_state: AdapterState, seed: int) -> AdapterState:
         return self.personalized(client.client_id, global_state)  # no training: the global model, as for all
 
-    def parameter_counts(self) -> dict[str, int]:
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": 0, "trained": trainable, "communicated": trainable}
-
 
 @dataclass
 class FineTuningSettings:
@@ -134,7 +130,3 @@ class FedAvgFT(FineTuning, FedAvg):
     name = "fedavg-ft"
     summary = "FedAvg, then --ft-epochs of local fine-tuning of the global model per client (PerAda Table 1)"
     default_ft_epochs = 1
-
-    def parameter_counts(self) -> dict[str, int]:
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": trainable, "trained": trainable, "communicated": trainable}

@@ -73,7 +73,3 @@ class FedProx(ProximalPersonalization):
         for name in self.trainer.model.trainable_parameters():
             stepped[name] = global_state[name] + beta * (mean[name] - global_state[name])
         return stepped, {}
-
-    def parameter_counts(self) -> dict[str, int]:
-        model = self.trainer.model.num_trainable()
-        return {"personalized": model, "trained": model, "communicated": model}  # only w_i trains; w_g is averaged

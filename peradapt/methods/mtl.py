@@ -194,7 +194,3 @@ class MTL(LocalSGDMethod):
             self.local_job(client, global_state, seed, anchor=global_state, lam=config.lam * m / (m + 1))
         )
         return own
-
-    def parameter_counts(self) -> dict[str, int]:
-        model = self.trainer.model.num_trainable()
-        return {"personalized": model, "trained": model, "communicated": model}

@@ -184,13 +184,6 @@ class PartialModel(Method):
         epochs, seed = self.config.personal_epochs, derive_seed(seed, PERSONAL)
         return self.trainer.run(self.part_job(start, client.train, self.personal, epochs=epochs, seed=seed))[0]
 
-    def parameter_counts(self) -> dict[str, int]:
-        """Table 1: the whole model trains, the shared part is sent, the personal part stays."""
-        parameters = self.trainer.model.trainable_parameters()
-        personal = sum(parameters[k].numel() for k in self.personal if k in parameters)
-        shared = sum(parameters[k].numel() for k in self.shared if k in parameters)
-        return {"personalized": personal, "trained": personal + shared, "communicated": shared}
-
 
 class PartialSGD(PartialModel, LocalSGDMethod):
     """A partial model whose client update is SGD jobs on its parts (`local_steps`): several clients can train

@@ -113,10 +113,6 @@ class PerAda(ProximalPersonalization):
         stored = self.store.get(client_id, LOCAL_NORMS_KEY)
         return stored if stored is not None else {key: self.context.initial[key] for key in self.local_norms}
 
-    def parameter_counts(self) -> dict[str, int]:
-        adapter = self.trainer.model.num_trainable()
-        return {"personalized": adapter, "trained": 2 * adapter, "communicated": adapter}  # v_m and theta_m
-
 
 @register
 class PerAdaNoKD(PerAda):

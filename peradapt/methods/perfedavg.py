@@ -88,6 +88,7 @@ class PerFedAvg(FedAvgFT):
         trainer, per_step = self.trainer, VARIANTS[self.settings.perfedavg_variant]
         trainer.model.load_state(global_state)  # w_{k+1,0} = w_k
         trainer.model.train()
+        trainer.count_trained(trainer.model.trainable_parameters().values())
         epochs, steps = self.minibatch_count()
         batches = trainer.minibatches(client.train, epochs=epochs, steps=steps, seed=derive_seed(seed, LOCAL))
         local_steps = zip(*[batches] * per_step, strict=False)  # consecutive minibatches: (D, D') or (D, D', D'')

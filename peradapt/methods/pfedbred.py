@@ -100,6 +100,8 @@ class PFedBreD(PFedMe):
         model.train()
         theta = model.trainable_parameters()
         local = detached(theta)
+        for model_trained in (theta, local):  # theta_i and w_i
+            self.trainer.count_trained(model_trained.values())
         memory = self.store.get(client.client_id, MEMORY_KEY) or global_state  # w_{i,R}^{(t-1)}
         assign(theta, self.personalized(client.client_id, global_state))  # theta_{i,0} <- theta_{i,R}^{(t-1)}
         per_step = 2 if self.settings.prior == CODE_PRIOR else 1

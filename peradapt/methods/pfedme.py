@@ -83,6 +83,8 @@ class PFedMe(Method):
         model.train()
         theta = model.trainable_parameters()
         local = detached(theta)
+        for model_trained in (theta, local):  # theta_i and w_i
+            self.trainer.count_trained(model_trained.values())
         losses = []
         for images, labels in self.minibatches(client, seed):  # local step r
             losses += self.inner_steps(images, labels, anchor=local)
@@ -153,10 +155,6 @@ class PFedMe(Method):
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.store.get(client_id, PERSONAL_KEY) or global_state
-
-    def parameter_counts(self) -> dict[str, int]:
-        model = self.trainer.model.num_trainable()
-        return {"personalized": model, "trained": 2 * model, "communicated": model}  # theta_i and w_i
 
 
 def minibatch_gradient(

@@ -120,6 +120,8 @@ SECTIONS = (
                     "model",
                     "batch_size",
                     "samples_trained",
+                    "elements_trained",
+                    "count_trained",
                     "run",
                     "run_steps",
                     "sgd",

@@ -121,10 +121,6 @@ class Scaffold(FedAvg):
     def load_server_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.control = dict(tensors) or None
 
-    def parameter_counts(self) -> dict[str, int]:
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": 0, "trained": trainable, "communicated": 2 * trainable}  # (x, c) and (Δy, Δc)
-
     def _control(self, state: AdapterState) -> Tensors:
         return self.control or zeros(state, self.trainer.model.trainable_parameters())
 

@@ -51,7 +51,3 @@ class Standalone(LocalSGDMethod):
 
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:
         return self.store.get(client_id, OWN_KEY) or self.context.initial
-
-    def parameter_counts(self) -> dict[str, int]:
-        trainable = self.trainer.model.num_trainable()
-        return {"personalized": trainable, "trained": trainable, "communicated": 0}

@@ -69,7 +69,6 @@ RESOLVED = {
     "adapter?": str,
     "scope?": str,
     "client_store?": str,
-    "parameter_counts?": {"personalized": int, "trained": int, "communicated": int},
     "trainable_parameters?": int,
     "backbone_parameters?": int,
     "backbone_sha256?": str,
@@ -102,6 +101,7 @@ ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics
     "unanswered?": [int],  # --participation: the clients asked that did not answer
     "stragglers?": {str: float},  # --stragglers: client id -> the share of its work it did
     "budget_share?": float,  # --budget: the share of their work the last round's clients did
+    "parameter_counts?": {"trained": int, "communicated": int},  # per client, the most of the round's updates
     "timing?": {
         "client_seconds": float,
         "aggregation_seconds": float,
