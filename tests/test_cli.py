@@ -178,7 +178,11 @@ def test_info_prints_config_partition_and_trainable_count(finished_run, capsys, 
     line = next(line for line in out.splitlines() if line.startswith("trainable parameters:"))
     assert line.endswith(", scope: adapter"), out
     adapter = resolved["trainable_parameters"]
-    assert f"per client: {adapter:,} personalized, {2 * adapter:,} trained, {adapter:,} communicated" in out
+    counts = json.loads((finished_run / "report.json").read_text())["cost"]["parameters"]  # measured in the run
+    assert counts["trained"] == 2 * adapter  # PerAda's v_m and theta_m
+    assert counts["personalized"] == counts["communicated"] > adapter  # the adapter and its running statistics
+    personalized, trained, communicated = counts["personalized"], counts["trained"], counts["communicated"]
+    assert f"per client: {personalized:,} personalized, {trained:,} trained, {communicated:,} communicated" in out
     assert "label skew" in out and "dir:0.5" in out
 
 

@@ -358,9 +358,9 @@ def test_generators_of_jobs_are_driven_side_by_side():
     sizes_seen: list[int] = []
     original = ConcurrentSGD.run
 
-    def counting_run(self, jobs):
+    def counting_run(self, jobs, shares=None):
         sizes_seen.append(len(jobs))
-        return original(self, jobs)
+        return original(self, jobs, shares)
 
     def client(seed: int, jobs: int):
         losses = []

@@ -207,10 +207,10 @@ def interrupt_in_round(round_number: int, monkeypatch: pytest.MonkeyPatch) -> No
     """Ctrl-C while round `round_number` trains its clients (after the checkpoint of the round before)."""
     play = engine.play_client
 
-    def play_or_interrupt(session, client_id, payload, round_index):
+    def play_or_interrupt(session, client_id, payload, round_index, share=1.0):
         if round_index + 1 == round_number:
             raise KeyboardInterrupt
-        return play(session, client_id, payload, round_index)
+        return play(session, client_id, payload, round_index, share)
 
     monkeypatch.setattr(engine, "play_client", play_or_interrupt)
 
