@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,23 @@ def test_intervals_are_shown_within_0_and_100():
     entry = {"mean": 41.2, "std": 33.31, "low": -258.08, "high": 340.49}
     assert _score(entry, interval=True) == "41.20 ± 33.31 [0.00, 100.00]"
     assert _score({**entry, "low": 10.0, "high": 70.0}, interval=True) == "41.20 ± 33.31 [10.00, 70.00]"
+
+
+def test_the_source_a_process_runs_is_read_once(monkeypatch):
+    """Every run of one `compare` names the same source, even where the checkout changes while the sweep runs: the
+    process runs the code it loaded."""
+    from peradapt.federation import session as session_module
+
+    calls = []
+
+    def describe(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout=f"commit-{len(calls)}\n")
+
+    session_module.source_commit.cache_clear()
+    monkeypatch.setattr(session_module.subprocess, "run", describe)
+    try:
+        first = session_module.source_commit()
+        assert session_module.source_commit() == first and len(calls) <= 1
+    finally:
+        session_module.source_commit.cache_clear()

@@ -6,6 +6,7 @@ mistake never leaves a half-made run directory behind.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import subprocess
@@ -109,10 +110,12 @@ class Session:
         }
 
 
+@functools.cache
 def source_commit() -> str:
     """The commit of peradapt's source where it runs from a git checkout (an editable install), with "-dirty" when
     its tracked files differ from it: the numbers' exact code, which the version number alone does not name. An
-    installed release says so."""
+    installed release says so. Read once per process: the code a process runs is what it loaded, so every run of one
+    `compare` names the same source, even where the checkout changes while it runs."""
     here = Path(__file__).resolve().parents[1]  # the package: a checkout's top is its parent
     command = ["git", "-C", str(here.parent), "describe", "--always", "--dirty", "--abbrev=12"]
     if not (here.parent / ".git").exists():
