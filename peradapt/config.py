@@ -382,6 +382,7 @@ class BackboneConfig:
         False,
         help="Never fetch backbone weights from the hub: only the local cache (HF_HUB_OFFLINE=1).",
         group=BACKBONE,
+        outcome=False,
     )
     normalization: str = setting(
         "auto",
@@ -423,8 +424,13 @@ class FederationConfig:
     clients: int = setting(20, help="Number of clients M.", group=FEDERATION, minimum=1, symbol="M")
     clients_per_round: int = setting(8, help="Clients sampled per round C.", group=FEDERATION, minimum=1, symbol="C")
     rounds: int = setting(200, help="Communication rounds T.", group=FEDERATION, minimum=0, symbol="T")
-    eval_every: int = setting(
-        10, help="Evaluate every N rounds (0: only at the end).", group=FEDERATION, minimum=0, metavar="N"
+    eval_every: int = setting(  # what is measured along the way, not what trains
+        10,
+        help="Evaluate every N rounds (0: only at the end).",
+        group=FEDERATION,
+        minimum=0,
+        metavar="N",
+        outcome=False,
     )
     holdout_clients: int = setting(  # 0 <= K < --clients: a rule between settings (`TrainConfig.validate`)
         0, help="Keep the last K clients out of training, for `peradapt personalize`.", group=FEDERATION, metavar="K"
@@ -461,6 +467,7 @@ class FederationConfig:
         minimum=1,
         metavar="K|auto",
         none_word="auto",
+        outcome=False,
     )
     gpu_memory_fraction: float = setting(
         0.9,
@@ -472,6 +479,7 @@ class FederationConfig:
         maximum=1.0,
         exclusive_minimum=True,
         metavar="F",
+        outcome=False,
     )
 
     budget: str | None = setting(
@@ -772,7 +780,7 @@ class TrainConfig:
     seed: int = setting(
         0, help="Random seed (partition, sampling, training).", group=FEDERATION, minimum=0, maximum=2**63 - 1
     )  # the range torch's and numpy's generators take
-    device: str = setting("auto", help="auto, cpu or cuda.", group=FEDERATION, check=check_device)
+    device: str = setting("auto", help="auto, cpu or cuda.", group=FEDERATION, check=check_device, outcome=False)
     out: str | None = setting(
         None,
         help="Run directory.",
@@ -780,6 +788,7 @@ class TrainConfig:
         metavar="PATH",
         shown_default="runs/DATA-METHOD-seedSEED",
         check=_check_run_directory,
+        outcome=False,
     )
     log: str | None = setting(
         None,
@@ -791,6 +800,7 @@ class TrainConfig:
         shown_default="none",
         repeatable=True,
         check=tracker_names,  # unknown names refused (installed packages: when a run opens, `check_installed`)
+        outcome=False,
     )
     # The --method's own settings, an instance of its `settings_class`; None: their defaults.
     method_settings: Any = None
@@ -952,6 +962,11 @@ for _section, _cls in [*_SECTION_CLASSES.items(), (None, TrainConfig)]:
     for _declared in declared_settings(_cls):
         assert _declared.name not in _SHARED, f"duplicate config key {_declared.name}"
         _SHARED[_declared.name] = (_section, _declared)
+
+
+# The settings no result depends on (`Setting.outcome` False): what `--resume`, a study's trials and `compare`'s reuse
+# of a finished run let differ
+OUTCOME_FREE: tuple[str, ...] = tuple(name for name, (_, declared) in _SHARED.items() if not declared.outcome)
 
 
 def settings_class_of(method: str) -> type:

@@ -104,6 +104,9 @@ class Setting:
     none_word: str | None = None  # a word that flags and files may give for None (`--concurrent-clients auto`)
     check: Callable[[Any], object] | None = None  # a rule of this setting's own that bounds/choices cannot say
     search: Search | None = None  # what `compare --tune` tries; None: the setting is not tuned
+    # False: no result depends on it (where a run writes, on which device, what it logs, how fast it goes), so that
+    # `--resume`, the trials of one study and `compare`'s reuse of a run all let it differ
+    outcome: bool = True
     name: str = ""
     type: str = ""  # "int", "float | None", ...
     default: Any = None
@@ -257,6 +260,7 @@ def setting(
     none_word: str | None = None,
     check: Callable[[Any], object] | None = None,
     search: Search | None = None,
+    outcome: bool = True,
 ) -> Any:
     """A dataclass field that declares a setting (see `Setting` for what each argument means)."""
     declaration = Setting(
@@ -277,6 +281,7 @@ def setting(
         none_word=none_word,
         check=check,
         search=search,
+        outcome=outcome,
     )
     return dataclasses.field(default=default, metadata={_METADATA_KEY: declaration})
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from peradapt.config import TrainConfig, method_path_label, search_space, settings_for_method
+from peradapt.config import OUTCOME_FREE, TrainConfig, method_path_label, search_space, settings_for_method
 from peradapt.errors import ConfigError, Interrupted, TrainingDiverged
 from peradapt.federation.engine import resume_config
 from peradapt.progress import counted, text_console
@@ -70,8 +70,6 @@ OBJECTIVE = "personalized_local_test"  # report.json summary: under --eval-split
 HEARTBEAT_S = 60  # a database worker's heartbeat, and how often a waiting worker looks at the study
 GRACE_PERIODS = 3  # heartbeats missed before a database worker counts as dead and its trial is retried
 MAX_RETRIES = 3  # a trial whose workers died this often is left failed: another trial, other values, takes its place
-# Settings that change no trial's score: workers may differ in them and still share one study.
-UNSCORED = ("out", "device", "offline", "log", "concurrent_clients", "gpu_memory_fraction", "eval_every")
 RUN_DIR = "run_dir"  # a trial's user attribute: its run directory, relative to the study's (a retry keeps it)
 WORKER = "worker"  # a trial's user attribute: "host:pid:trial number" of the worker running it
 # Trials of equal best score: the one numbered first (asked first) is the best; the others are listed as tied_with
@@ -175,7 +173,7 @@ def _optuna() -> Any:
 def _digest(base: TrainConfig, space: dict) -> str:
     """A hash of what a study's trials have in common: the settings that score (not the searched ones) and the
     search space."""
-    scored = {key: value for key, value in base.to_flat().items() if key not in UNSCORED and key not in space}
+    scored = {key: value for key, value in base.to_flat().items() if key not in OUTCOME_FREE and key not in space}
     searched = {key: dataclasses.asdict(declared.search) for key, declared in space.items()}
     text = json.dumps({"settings": scored, "space": searched}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]

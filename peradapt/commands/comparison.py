@@ -35,7 +35,14 @@ from peradapt.commands.estimate import estimate_sweep
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
 from peradapt.commands.reports import cost_panels, read_metrics, read_new_clients, read_ood, round_curve
-from peradapt.config import COMPARE_SETS, TrainConfig, method_path_label, setting_owners, settings_for_method
+from peradapt.config import (
+    COMPARE_SETS,
+    OUTCOME_FREE,
+    TrainConfig,
+    method_path_label,
+    setting_owners,
+    settings_for_method,
+)
 from peradapt.errors import ConfigError, RunError
 from peradapt.evaluation import METRIC_LABELS
 from peradapt.evaluation.curves import Evaluation, area_per_round, first_reaching, mean_curve
@@ -308,10 +315,8 @@ def _final_run(settings: dict, chosen: dict, method: str, seed: int, out: Path, 
 
 
 def _comparable(config: TrainConfig) -> dict:
-    flat = config.to_flat()
-    for key in ("out", "device", "eval_every", "log"):
-        flat.pop(key)
-    return flat
+    """The settings a finished run must share to be reused: all but those no result depends on."""
+    return {key: value for key, value in config.to_flat().items() if key not in OUTCOME_FREE}
 
 
 def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) -> dict:

@@ -47,7 +47,7 @@ from peradapt.compute.costs import (
     state_bytes,
 )
 from peradapt.compute.privacy import charged_to, privacy_report, round_epsilons
-from peradapt.config import TrainConfig, method_path_label, parse_budget
+from peradapt.config import OUTCOME_FREE, TrainConfig, method_path_label, parse_budget
 from peradapt.data import ClientData
 from peradapt.data.sources import dataset_label
 from peradapt.distill import Distiller
@@ -81,16 +81,8 @@ from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 from peradapt.seeds import SERVER, answering, derive_seed, sample_clients, straggler_shares
 
-RESUMABLE_CHANGES = (
-    "rounds",
-    "eval_every",
-    "device",
-    "out",
-    "offline",
-    "log",
-    "concurrent_clients",
-    "gpu_memory_fraction",
-)
+# What --resume lets change: --rounds (a run may go on), and every setting no result depends on
+RESUMABLE_CHANGES = ("rounds", *OUTCOME_FREE)
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 SECONDS = ("client_seconds", "aggregation_seconds", "distillation_seconds")  # a round's `timing`, summed by the report
