@@ -39,7 +39,7 @@ from rich.table import Table
 
 from peradapt.config import TrainConfig, settings_for_method
 from peradapt.distill.kd import validation_checks
-from peradapt.federation.engine import budget_limit, check_budget, personalization_reserve
+from peradapt.federation.engine import budget_limit, budget_share, check_budget, personalization_reserve
 from peradapt.federation.session import Session, build_session
 from peradapt.progress import counted
 from peradapt.seeds import sample_clients
@@ -117,14 +117,14 @@ def counted_work(session: Session, final_evaluations: int = 1) -> Work:
         rounds += 1
         sampled = sample_clients(config.seed, round_index, len(federated), fed.clients_per_round)
         trained = method.clients_to_train(sampled, federated_ids)
-        planned = sum(bounds[client_id] or 0 for client_id in trained)
-        left = limit - reserve - samples if budgeted else planned  # type: ignore[operator]
-        share = min(1.0, left / planned) if planned else 1.0  # the last round of a budget: a share of the work
+        # the last round of a budget: a share of the work, as the engine cuts it
+        cut = budget_share(session, limit - reserve - samples, trained, {}) if budgeted else None  # type: ignore[operator]
+        share = 1.0 if cut is None else cut
         for client_id in trained:
             samples += share * (bounds[client_id] or 0)
             steps += share * _steps(bounds[client_id] or 0, len(session.data.clients[client_id].train), session)
         distilling += bool(distiller and distiller.active(round_index))
-        if share < 1:
+        if cut is not None:
             break
     evaluations = int(rounds) // fed.eval_every if fed.eval_every else 0
     evaluated = session.client_sample

@@ -547,20 +547,18 @@ def budget_reached(history: list[dict], limit: int, reserve: int) -> bool:
     return client_samples(history) + reserve >= limit or bool(history and "budget_share" in history[-1])
 
 
-def budget_share(session: Session, history: list[dict], trained: list[int], shares: dict[int, float]) -> float | None:
+def budget_share(session: Session, left: float, trained: list[int], shares: dict[int, float]) -> float | None:
     """The share of their work the clients `trained` (doing `shares` of it already: stragglers) do so that the
-    round trains no more than what is left of --budget: None where all of it fits, or where the most a client
-    trains is not known (`Method.client_samples_bound`; DP-SGD), and the budget is then met to within a round.
-    Each SGD job of a client is cut to the share (`LocalTrainer.work_share`), so the round trains at most what is
-    left, less under a sample per job."""
-    limit = budget_limit(session.config)
-    if limit is None or session.trainer.privacy is not None:
+    round trains no more than `left`, what is left of --budget: None where all of it fits, or where the most a
+    client trains is not known (`Method.client_samples_bound`; DP-SGD), and the budget is then met to within a
+    round. Each SGD job of a client is cut to the share (`LocalTrainer.work_share`), so the round trains at most
+    what is left, less under a sample per job. `--dry-run` counts a budget's last round by it too."""
+    if session.trainer.privacy is not None:
         return None
     bounds = [session.method.client_samples_bound(session.data.clients[c]) for c in trained]
     if any(bound is None for bound in bounds):
         return None
     planned = sum(shares.get(c, 1.0) * bound for c, bound in zip(trained, bounds, strict=True))  # type: ignore[operator]
-    left = limit - personalization_reserve(session) - client_samples(history)
     return left / planned if planned > left else None
 
 
@@ -629,7 +627,8 @@ def _run_rounds(
             aggregated = [client_id for client_id in sampled if client_id in answered]
             shares = straggler_shares(seed, round_index, trained, fed.stragglers) if fed.stragglers else {}
             stragglers = dict(shares)
-            cut = budget_share(session, history, trained, shares)
+            left = None if limit is None else limit - reserve - client_samples(history)
+            cut = None if left is None else budget_share(session, left, trained, shares)
             if cut is not None:  # the last round of --budget: every client does its part of what is left
                 shares = {client_id: shares.get(client_id, 1.0) * cut for client_id in trained}
             payloads = {client_id: method.payload(client_id, global_state) for client_id in trained}
@@ -678,7 +677,7 @@ def _run_rounds(
                 record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
                 evaluation_samples = sum(method.personalization_samples(client) for client in evaluated)
             record.update(clients.traffic())
-            if updates:  # what a client trains and sends, as measured (`costs.parameter_counts`)
+            if updates:  # what a client trains and sends, as measured (`ClientWork.trained`, `costs.elements`)
                 record["parameter_counts"] = {
                     "trained": max(update.work.trained for update in updates),
                     "communicated": max(elements(update.upload) for update in updates),
