@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import numpy as np
 
-PERSONAL, LOCAL, SERVER, SAMPLING, EVALUATION, VALIDATION, TUNING = 1, 2, 3, 4, 5, 6, 7
-PARTICIPATION, STRAGGLERS = 8, 9
+# Every seed phase of the package: the last part of `derive_seed(seed, ..., PHASE)`, one per kind of draw, so that
+# no two draws from the same seed share a stream. A new kind of draw takes a new value here (tests/test_seeds.py
+# checks that they are distinct and that no module passes a phase of its own). The values are part of every result:
+# changing one changes the numbers.
+PERSONAL = 1  # a client's personal training (personal_job, the partial methods' personal part)
+LOCAL = 2  # local training's minibatches, augmentation and dropout (local_job and every method's own local SGD)
+SERVER = 3  # the server update's seed, derive_seed(run seed, round, SERVER), given by the engine
+SAMPLING = 4  # the clients a round asks (sample_clients); the client whose norm statistics PerAda's mean takes
+EVALUATION = 5  # the clients evaluated when there are more than Session.client_sample takes
+VALIDATION = 6  # the order a client's validation share is cut from (with the client id after it)
+TUNING = 7  # a study's TPE sampler
+PARTICIPATION = 8  # whether a client answers in a round (answering)
+STRAGGLERS = 9  # a round's stragglers and their shares of the work (straggler_shares)
+FINETUNE = 11  # the local fine-tuning at evaluation (FedAvg+FT, FedBABU), of a federated or a new client
+NEW_CLIENT = 12  # a new client's personalization, and the test share of a new client's image directory
+NOISE = 13  # the DP-SGD noise, from the training call's own seed
+ALA = 21  # FedALA's ALA: its data sample and its minibatches
 
 
 def derive_seed(*parts: int) -> int:
     """A seed from integers (a seed, then phases: `derive_seed(seed, LOCAL)`), the same on every machine and
     run, independent of any other tuple's. The engine gives a client update derive_seed(run seed, round, client) and
     a server update derive_seed(run seed, round, SERVER); a method draws each random choice of its own from
-    `derive_seed(seed, PHASE)`, with a phase that no other draw from the same seed uses: this module's phases and
-    11 (fine-tuning at evaluation, `peradapt.methods.fedavg.FINETUNE`), 12 (a new client's personalization), 13
-    (DP-SGD noise) and 21 (FedALA) are taken."""
+    `derive_seed(seed, PHASE)`, with a phase that no other draw from the same seed uses: one of this module's, or,
+    for a kind of draw of its own, a value that none of them has."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 

@@ -20,10 +20,10 @@ from torch.testing import assert_close
 from peradapt.errors import TrainingDiverged
 from peradapt.methods import ClientUpdate, MethodContext
 from peradapt.methods.base import PERSONAL_KEY
-from peradapt.methods.fedala import ALA, LOCAL_KEY, MAX_START_EPOCHS, WEIGHTS_KEY, FedALA
+from peradapt.methods.fedala import LOCAL_KEY, MAX_START_EPOCHS, WEIGHTS_KEY, FedALA
 from peradapt.methods.mtl import MTL
 from peradapt.rundir.store import ClientStore
-from peradapt.seeds import derive_seed
+from peradapt.seeds import ALA, derive_seed
 
 from .conftest import method_config
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args

@@ -22,11 +22,10 @@ from peradapt.compute.trainer import InputPipeline, LocalTrainer
 from peradapt.data import ClientData, ImageSet
 from peradapt.errors import ConfigError
 from peradapt.methods import MethodContext
-from peradapt.methods.fedavg import FINETUNE
 from peradapt.methods.feddyn import GRADIENT_KEY, FedDyn
 from peradapt.methods.perfedavg import PerFedAvg
 from peradapt.rundir.store import ClientStore
-from peradapt.seeds import LOCAL, derive_seed
+from peradapt.seeds import FINETUNE, LOCAL, derive_seed
 
 from .conftest import method_config
 from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args

@@ -31,9 +31,8 @@ from peradapt.federation.session import Session
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths
 from peradapt.rundir.lock import reads_run
-from peradapt.seeds import derive_seed
+from peradapt.seeds import NEW_CLIENT, derive_seed
 
-NEW_CLIENT = 12  # seed phase of a new client's personalization
 NEW_CLIENTS_DIR = "new_clients"
 TEST_SHARE = 0.25  # of a new client's images kept for its local test when its directory has no train/ and test/
 

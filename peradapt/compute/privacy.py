@@ -49,12 +49,11 @@ from peradapt.compute.metrics import summary
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.errors import ConfigError
 from peradapt.rundir.store import ClientStore
-from peradapt.seeds import derive_seed
+from peradapt.seeds import NOISE, derive_seed
 
 if TYPE_CHECKING:
     from opacus.optimizers import DPOptimizer
 
-NOISE = 13  # seed phase of the DP-SGD noise, derived from the training call's own seed
 PRIVACY_KEY = "privacy"  # the client store slot of a client's accountant history
 ACCOUNTANT = "rdp"
 VIT_HINT = "use a ViT (--backbone vit_tiny_p4_32, vit_small_patch16_224, ...)"

@@ -43,10 +43,9 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData, ImageSet
 from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, MethodContext, register
-from peradapt.seeds import derive_seed
+from peradapt.seeds import ALA, derive_seed
 from peradapt.settings import setting
 
-ALA = 21  # seed phase of ALA's data sample and of its minibatches
 LOCAL_KEY = "local"  # Θ_i in the ClientStore
 WEIGHTS_KEY = "ala_weights"  # W_i in the ClientStore (the higher layers only)
 CONVERGED_STD, CONVERGED_WINDOW = 0.1, 10  # the authors' threshold and num_pre_loss

@@ -28,10 +28,8 @@ from typing import ClassVar
 from peradapt.adapters import AdapterState
 from peradapt.data import ClientData
 from peradapt.methods.base import ClientSteps, ClientUpdate, LocalSGDMethod, Method, register
-from peradapt.seeds import derive_seed
+from peradapt.seeds import FINETUNE, derive_seed
 from peradapt.settings import Search, setting
-
-FINETUNE = 11  # seed phase of the local fine-tuning at evaluation time (FedAvg+FT, FedBABU)
 
 
 @register
