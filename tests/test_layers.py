@@ -5,6 +5,7 @@ below it (docs/DESIGN.md, "Layers")."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def imports(path: Path, known: set[str]) -> set[str]:
     return {module for module in found if module in known and module != name}
 
 
+@functools.cache  # parsing the package takes most of the time: once per session, every case reads the same
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(path, set(known)) for name, path in known.items()}
