@@ -834,9 +834,13 @@ class TrainConfig:
         setting of another method than the one chosen is refused by name."""
         config = cls()
         owned: dict[str, Any] = {}
-        settings_class_of(values.get("method", MethodConfig.method))  # a plugin named here is found: its keys known
+        chosen = values.get("method", MethodConfig.method)
+        renamed = renamed_settings(chosen)  # a plugin named here is found: its keys known
         for key, value in values.items():
             key = key.replace("-", "_")
+            if key in renamed:
+                new = renamed[key].replace("_", "-")
+                raise ConfigError(f"--{key.replace('_', '-')} is no setting of --method {chosen} any more: use --{new}")
             declared = find_setting(key)
             if declared is None:
                 known = sorted([*_SHARED, *_method_declarations()])
@@ -882,12 +886,16 @@ class TrainConfig:
                 flat.update(value)
             else:
                 flat[key] = value
+        method = flat.get("method", MethodConfig.method)
+        for old, new in renamed_settings(method).items():  # a config.json written before the rename
+            if old in flat:
+                flat.setdefault(new, flat.pop(old))
         for key, value in flat.items():
             declared = find_setting(key)
             if declared is not None and not declared.is_json_type(value):
                 kind = declared.type.replace(" | None", " or null")
                 raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}")
-        return cls.from_flat(settings_for_method(flat, flat.get("method", MethodConfig.method)))
+        return cls.from_flat(settings_for_method(flat, method))
 
     def validate(self) -> None:
         """Every setting's own checks (`Setting.validate`), then the rules between settings."""
@@ -972,6 +980,12 @@ OUTCOME_FREE: tuple[str, ...] = tuple(name for name, (_, declared) in _SHARED.it
 def settings_class_of(method: str) -> type:
     """The settings dataclass of registered method `method` (of an unknown one: none)."""
     return METHODS[method].settings_class if method in METHODS else NoSettings
+
+
+def renamed_settings(method: str) -> Mapping[str, str]:
+    """The former keys of registered method `method`'s settings, each with its key now: the class attribute `renamed`
+    of its settings dataclass, beside the setting (none: empty)."""
+    return getattr(settings_class_of(method), "renamed", {})
 
 
 def check_method_settings(settings_class: type) -> None:

@@ -18,12 +18,12 @@ from torch.testing import assert_close
 import peradapt.federation.engine as engine
 from peradapt.cli import main
 from peradapt.compute.costs import elements
-from peradapt.config import MethodConfig
-from peradapt.errors import RunError
+from peradapt.config import MethodConfig, TrainConfig
+from peradapt.errors import ConfigError, RunError
 from peradapt.methods import METHODS, ClientUpdate, Method, MethodContext, auto_lam
 from peradapt.methods.auto_lam import RHO, choose_lam, client_risk, estimate_lam, heterogeneity
-from peradapt.methods.base import PERSONAL_KEY, ServerStepSettings
-from peradapt.methods.fedprox import FedProx
+from peradapt.methods.base import PERSONAL_KEY
+from peradapt.methods.fedprox import FedProx, FedProxSettings
 from peradapt.methods.perada import PerAda, PerAdaNoKD
 from peradapt.rundir.store import ClientStore
 
@@ -36,10 +36,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; L-BFGS's many
 # ---------------------------------------------------------------- FedProx client step (eq. 11) and server step (eq. 10)
 
 
-def fedprox(trainer, initial, lam=0.5, lr=0.3, personal_lr=0.1, beta=1.0):
+def fedprox(trainer, initial, lam=0.5, lr=0.3, personal_lr=0.1, step=1.0):
     config = MethodConfig("fedprox", local_epochs=1, personal_epochs=1, lam=lam, lr=lr, personal_lr=personal_lr)
     config.batch_size = BATCH
-    settings = ServerStepSettings(beta=beta)
+    settings = FedProxSettings(fedprox_server_step=step)
     return FedProx(MethodContext(config, trainer, ClientStore(), initial, distiller=None, settings=settings))
 
 
@@ -82,12 +82,12 @@ def test_client_step_pulls_harder_towards_the_global_model_with_larger_lam():
 
 
 def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
-    lam, beta = 2.0, 0.5
-    gamma = beta / lam
+    lam, step = 2.0, 0.5
+    gamma = step / lam
     from types import SimpleNamespace
 
     model = SimpleNamespace(trainable_parameters=lambda: {"w": None})  # the server step needs only their names
-    method = fedprox(SimpleNamespace(model=model), {}, lam=lam, beta=beta)
+    method = fedprox(SimpleNamespace(model=model), {}, lam=lam, step=step)
     global_state = {"w": torch.tensor([1.0, 2.0]), "steps": torch.tensor(7)}
     uploads = [
         {"w": torch.tensor([3.0, 2.0]), "steps": torch.tensor(4)},
@@ -104,9 +104,21 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
     assert stepped["steps"].item() == 4
     assert info == {}
 
-    method.settings.beta = 1.0  # gamma = 1/lam (the paper's MNIST setting): the mean of the personalized models
+    method.settings.fedprox_server_step = 1.0  # gamma = 1/lam (the paper's MNIST setting): the mean of the w_i
     stepped, _ = method.server_update(global_state, updates, seed=0, round_index=0)
     assert_close(stepped["w"], torch.tensor([1.5, 5.0]))
+
+
+def test_the_server_steps_former_key_is_refused_naming_its_own_and_read_from_an_old_run():
+    """--beta, the key fedprox shared with pFedMe's β until each had its own, names --fedprox-server-step; a run's
+    config.json written before keeps its step."""
+    refusal = r"^--beta is no setting of --method fedprox any more: use --fedprox-server-step$"
+    with pytest.raises(ConfigError, match=refusal):
+        TrainConfig.from_flat({"method": "fedprox", "beta": 0.5})
+    saved = TrainConfig.from_flat({"method": "fedprox", "fedprox_server_step": 0.5}).to_dict()
+    saved["method"]["beta"] = saved["method"].pop("fedprox_server_step")
+    assert TrainConfig.from_dict(saved).method_settings == FedProxSettings(fedprox_server_step=0.5)
+    assert TrainConfig.from_flat({"method": "pfedme", "beta": 0.5}).method_settings.beta == 0.5  # pFedMe's own β
 
 
 def test_method_flags_and_parameter_counts():

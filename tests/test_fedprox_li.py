@@ -94,9 +94,9 @@ def test_a_negative_mu_exits_2_and_writes_nothing(tmp_path, fmnist_dir, capsys, 
 # ---------------------------------------------------------------- personalized FedProx (Yu et al.) with BatchNorm
 
 
-def test_yu_server_step_moves_parameters_by_beta_and_takes_the_plain_mean_of_running_statistics():
+def test_yu_server_step_moves_parameters_by_gamma_lam_and_takes_the_plain_mean_of_running_statistics():
     trainer = full_trainer()
-    method = build("fedprox", trainer, trainer.model.state(), lam=1.0, beta=2.0)
+    method = build("fedprox", trainer, trainer.model.state(), lam=1.0, fedprox_server_step=2.0)
     global_state = perturbed(trainer.model, seed=2)
     uploads = [perturbed(trainer.model, seed=s) for s in (3, 4)]
     variance = "layer1.0.bn1.running_var"
@@ -106,14 +106,14 @@ def test_yu_server_step_moves_parameters_by_beta_and_takes_the_plain_mean_of_run
 
     stepped, _ = method.server_update(global_state, updates, seed=0, round_index=0)
 
-    # beta = 2 would take 1 + 2 * (0.3 - 1) = -0.4: running statistics take the plain mean 0.3 instead
+    # a step γλ = 2 would take 1 + 2 * (0.3 - 1) = -0.4: running statistics take the plain mean 0.3 instead
     assert_close(stepped[variance], torch.full_like(global_state[variance], 0.3), **TOL)
     running = [k for k in stepped if k.endswith(("running_mean", "running_var"))]
     assert running
     for key in running:
         assert_close(stepped[key], (uploads[0][key] + uploads[1][key]) / 2, **TOL)
     assert all((stepped[k] >= 0).all() for k in running if k.endswith("running_var"))
-    for key in trainer.model.trainable_parameters():  # w <- w + beta (mean_i w_i - w), uniform over clients
+    for key in trainer.model.trainable_parameters():  # w <- w + γλ (mean_i w_i - w), uniform over clients
         mean = (uploads[0][key] + uploads[1][key]) / 2
         assert_close(stepped[key], global_state[key] + 2.0 * (mean - global_state[key]), **TOL)
     assert stepped["layer1.0.bn1.num_batches_tracked"].item() == uploads[0]["layer1.0.bn1.num_batches_tracked"].item()

@@ -114,7 +114,8 @@ def test_a_method_takes_its_own_settings_and_saves_them_in_its_section():
     [
         (["--feddyn-alpha", "0.1", "--method", "ditto"], "--feddyn-alpha is a setting of feddyn: --method ditto does"),
         (["--inner-steps", "2"], "--inner-steps is a setting of pfedme, pfedbred: --method perada does not take it"),
-        (["--beta", "2", "--method", "fedavg"], "--beta is a setting of fedprox, pfedme, pfedbred: --method fedavg"),
+        (["--beta", "2", "--method", "fedavg"], "--beta is a setting of pfedme, pfedbred: --method fedavg does"),
+        (["--beta", "2", "--method", "fedprox"], "--beta is no setting of --method fedprox any more: use --fedprox-"),
         (["--personal-part", "bn", "--method", "perada"], "--personal-part is a setting of fedalt, fedsim"),
         (["--feddyn-alpha", "0", "--method", "ditto"], "--feddyn-alpha must be positive, got 0.0"),  # value first
     ],

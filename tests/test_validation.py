@@ -70,6 +70,7 @@ TRAIN_CASES = [
     (["--personal-lr", "0"], ["--personal-lr"]),
     (["--server-lr", "0"], ["--server-lr", "positive"]),
     (["--beta", "0"], ["--beta", "positive"]),
+    (["--fedprox-server-step", "0"], ["--fedprox-server-step", "positive"]),
     (["--mu", "-1"], ["--mu", "negative"]),
     (["--kd-temperature", "0"], ["--kd-temperature", "at least 1e-18"]),
     (["--kd-temperature", "1e-300"], ["--kd-temperature", "at least 1e-18"]),

@@ -26,7 +26,7 @@ from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
-from peradapt.settings import NoSettings, Search, setting, validate_settings
+from peradapt.settings import NoSettings, Search, validate_settings
 
 PERSONAL_KEY = "personal"  # where methods keep a client's personalized state in the ClientStore
 
@@ -68,20 +68,6 @@ class MethodContext:
     # SCAFFOLD's server scales by |S|/N; None (a context built in code without it): every client of `clients`.
     federated: int | None = None
     settings: Any = None  # the method's own settings, an instance of its `settings_class`; None: their defaults
-
-
-@dataclass
-class ServerStepSettings:
-    """The server's step towards the sampled clients' mean, w <- w + β (mean - w): pFedMe's and pFedBreD's β
-    (Algorithm 1), personalized FedProx's γλ (eq. 10)."""
-
-    beta: float = setting(
-        1.0,
-        help="Server step: β of pFedMe/pFedBreD, γλ of fedprox.",
-        minimum=0.0,
-        exclusive_minimum=True,
-        symbol="β",
-    )
 
 
 class Method(ABC):

@@ -41,7 +41,7 @@ import torch
 from peradapt.adapters import AdapterState
 from peradapt.compute.trainer import LocalTrainer
 from peradapt.data import ClientData
-from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, ServerStepSettings, register
+from peradapt.methods.base import PERSONAL_KEY, ClientUpdate, Method, register
 from peradapt.seeds import LOCAL, derive_seed
 from peradapt.settings import Search, setting
 
@@ -52,9 +52,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
-class PFedMeSettings(ServerStepSettings):
-    """pFedMe's and pFedBreD's own settings (with the server step β)."""
+class PFedMeSettings:
+    """pFedMe's and pFedBreD's own settings."""
 
+    beta: float = setting(
+        1.0,
+        help="pFedMe/pFedBreD server step β: w <- (1 - β) w + β mean (Algorithm 1).",
+        minimum=0.0,
+        exclusive_minimum=True,
+        symbol="β",
+    )
     inner_steps: int = setting(
         3,  # as PerAda's appendix uses
         help="pFedMe/pFedBreD inner steps K.",
