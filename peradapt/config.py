@@ -928,6 +928,12 @@ class TrainConfig:
                 "--dp-noise accounts each client's ε in the server's client store, which Flower's nodes keep for "
                 "themselves: run differentially private training with --engine builtin"
             )
+        # perada's own setting (methods/perada.py), whose server writes into the client store
+        if fed.engine == "flower" and getattr(self.method_settings, "kd_teacher_statistics", None) == "authors":
+            raise ConfigError(
+                "--kd-teacher-statistics authors has the server change each distilled client's private state, which "
+                "Flower's nodes keep for themselves: run it with --engine builtin"
+            )
         for name, column in (("image_column", self.data.image_column), ("label_column", self.data.label_column)):
             if column is not None and (not column or not self.data.data.startswith("hf:")):
                 raise ConfigError(

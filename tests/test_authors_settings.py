@@ -1,10 +1,11 @@
 """The PerAda authors' last differences, each a setting: their normalization constants, their distillation batches
 (epochs of a DataLoader over a SubsetRandomSampler), their frozen BatchNorm statistics (the server's from the first
-sampled client, each local model's kept across rounds), and the note when `--kd-mode train` runs alone.
+sampled client, each local model's kept across rounds, and moved by the distillation's teacher passes), and the
+note when `--kd-mode train` runs alone.
 
 Expected values come from the authors' code as it reads (NVlabs/PerAda: datasets/prepare_data.py,
 aggregation/distillation.py, aggregation/averaging.py, optim/base.py), written out here in plain torch: the
-constants typed from their file, an epoch sampler and a round of their `FedBase` with persistent local models.
+constants typed from their file, an epoch sampler and rounds of their `FedBase` with persistent local models.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from peradapt.methods.perada import LOCAL_NORMS_KEY, PerAda
 from peradapt.rundir.store import ClientStore
 
 from .conftest import method_config
-from .test_cli import crash_after_round, results, run_cli, tiny_args
+from .test_cli import crash_after_round, expect_user_error, results, run_cli, tiny_args
 from .test_data import skip_cifar_md5, write_cifar  # noqa: F401 (skip_cifar_md5: a fixture used by name)
 from .test_perada_authors import BATCH, image_set, module_with, normalized, perturbed, tiny_trainer
 
@@ -217,6 +218,102 @@ def test_local_frozen_statistics_need_frozen_batchnorms_in_training():
         PerAda(MethodContext(config, trainer, ClientStore(), trainer.model.state(), None, settings=settings))
 
 
+# ---------------------------------------------------------------- distillation's teacher passes
+
+
+def teacher_statistics_method(trainer, clients, kd_data, **settings):
+    """PerAda distilling as the authors do (training mode, epoch batches) with `settings`, and its distiller."""
+    distill = DistillConfig(
+        kd_steps=3, kd_batch_size=BATCH, server_lr=1e-2, kd_mode="train", kd_batches="epochs", kd_eval_every=1000
+    )
+    inputs = InputPipeline(mean=(0.5,), std=(0.5,), device=torch.device("cpu"))
+    distiller = Distiller(trainer, kd_data, image_set(6, seed=5), distill, inputs)
+    config, own = method_config(PerAda, local_epochs=1, personal_epochs=0, lr=0.1, batch_size=BATCH, **settings)
+    context = MethodContext(config, trainer, ClientStore(), trainer.model.state(), distiller, clients, settings=own)
+    return PerAda(context), distiller
+
+
+AUTHORS_TEACHERS = {"frozen_bn": "train", "frozen_bn_statistics": "local", "kd_teacher_statistics": "authors"}
+
+
+def test_teacher_passes_move_the_local_statistics_as_in_the_authors_rounds():
+    """Two rounds in the authors' order, in plain torch: each sampled client's local model loads what the server
+    sent and trains (optim/base.py); the server takes the downsample BatchNorms' statistics from one upload, then
+    distills with those local models as teachers, left in training mode by their training, each run under no_grad
+    on every batch in the epochs' order (aggregation/distillation.py), which moves their running statistics; a
+    client trains its next round from them. Client 0 is sampled in both rounds."""
+    trainer = tiny_trainer(frozen_bn="train")
+    frozen = trainer.model.frozen_norm_buffers
+    clients = [
+        ClientData(c, image_set(BATCH, seed=10 + c), image_set(2, seed=20 + c), np.arange(0), np.arange(0))
+        for c in range(3)
+    ]
+    kd_data = image_set(20, seed=30, labeled=False)  # epochs of 8, 8 and 4 images: 3 steps, one epoch
+    method, distiller = teacher_statistics_method(trainer, clients, kd_data, **AUTHORS_TEACHERS)
+    students = []  # what each round's distillation starts from
+    distill = distiller.distill
+
+    def recording(student, *args, **kwargs):
+        students.append(student)
+        return distill(student, *args, **kwargs)
+
+    distiller.distill = recording
+
+    global_state = trainer.model.state()
+    local_models = {c: module_with(trainer, global_state) for c in range(3)}  # deep copies of the global model
+    for round_index, sampled in enumerate(([0, 1], [0, 2])):
+        seed = 7 + round_index
+        updates = [method.client_update(clients[c], global_state, seed=seed + c) for c in sampled]
+        for c, update in zip(sampled, updates, strict=True):
+            module = local_models[c]
+            module.load_state_dict({k: v for k, v in global_state.items() if k not in frozen}, strict=False)
+            authors_local_step(module, clients[c].train, lr=0.1)
+            trained = {k: v.detach().clone() for k, v in module.state_dict().items() if k in global_state}
+            assert_close(update.upload, trained, atol=1e-5, rtol=1e-5)  # client 0's second: from the moved statistics
+
+        global_state, _ = method.server_update(global_state, updates, seed=seed, round_index=round_index)
+        teachers = [local_models[c] for c in sampled]
+        assert all(teacher.training for teacher in teachers)
+        for batch in authors_epoch_batches(len(kd_data), BATCH, 3, seed):
+            with torch.no_grad():
+                for teacher in teachers:
+                    teacher(normalized(kd_data.images[batch]))
+        for c, update in zip(sampled, updates, strict=True):
+            moved = {k: v for k, v in local_models[c].state_dict().items() if k in frozen}
+            assert_close(method.store.get(c, LOCAL_NORMS_KEY), moved, atol=1e-5, rtol=1e-5)
+            mean = sorted(k for k in frozen if k.endswith("running_mean"))[0]
+            assert not torch.allclose(moved[mean], update.upload[mean], atol=1e-3)  # the passes moved them
+        # the server's statistics: one upload's, as its training left them
+        assert [u.client_id for u in updates if all(torch.equal(students[-1][k], u.upload[k]) for k in frozen)]
+
+
+def test_the_teachers_statistics_stay_where_the_setting_is_off():
+    trainer = tiny_trainer(frozen_bn="train")
+    clients = [
+        ClientData(c, image_set(BATCH, seed=c), image_set(2, seed=c), np.arange(0), np.arange(0)) for c in (0, 1)
+    ]
+    kd_data = image_set(20, seed=30, labeled=False)
+    method, _ = teacher_statistics_method(trainer, clients, kd_data, frozen_bn="train", frozen_bn_statistics="local")
+    updates = [method.client_update(client, trainer.model.state(), seed=c) for c, client in enumerate(clients)]
+    method.server_update(trainer.model.state(), updates, seed=0, round_index=0)
+    frozen = trainer.model.frozen_norm_buffers
+    for update in updates:  # as client training left them
+        assert_close(method.store.get(update.client_id, LOCAL_NORMS_KEY), {k: update.upload[k] for k in frozen})
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [
+        ({"kd_teacher_statistics": "authors"}, "passes: add --frozen-bn train --frozen-bn-statistics local$"),
+        ({**AUTHORS_TEACHERS, "frozen_bn_statistics": "averaged"}, "passes: add --frozen-bn-statistics local$"),
+    ],
+)
+def test_moving_the_teachers_statistics_needs_the_authors_distillation(given, missing):
+    trainer = tiny_trainer(frozen_bn="train")
+    with pytest.raises(ConfigError, match=missing):
+        teacher_statistics_method(trainer, [], image_set(4, seed=1, labeled=False), **given)
+
+
 # ---------------------------------------------------------------- runs: the note, resume
 
 
@@ -233,7 +330,11 @@ def test_kd_mode_train_alone_is_noted_once(fmnist_dir, home, tmp_path, capsys, m
     assert "--kd-mode train without" not in err
 
 
-AUTHORS = ("--frozen-bn", "train", "--frozen-bn-statistics", "local", "--kd-mode", "train", "--kd-batches", "epochs")
+LOCAL_STATISTICS = (
+    *("--frozen-bn", "train", "--frozen-bn-statistics", "local"),
+    *("--kd-mode", "train", "--kd-batches", "epochs"),
+)
+AUTHORS = (*LOCAL_STATISTICS, "--kd-teacher-statistics", "authors")
 
 
 def test_a_run_with_the_authors_settings_resumes_to_identical_files(fmnist_dir, home, tmp_path, capsys, monkeypatch):
@@ -245,3 +346,20 @@ def test_a_run_with_the_authors_settings_resumes_to_identical_files(fmnist_dir, 
     code, _, err = run_cli(tiny_args(fmnist_dir, run, *AUTHORS, "--resume"), capsys, monkeypatch)
     assert code == 0, err
     assert results(run) == results(whole)
+
+    unmoved = tmp_path / "unmoved"  # a client sampled again uploads other statistics, which the server may take
+    code, _, err = run_cli(tiny_args(fmnist_dir, unmoved, *LOCAL_STATISTICS), capsys, monkeypatch)
+    assert code == 0, err
+    statistics = "global/frozen_bn_statistics.safetensors"
+    assert results(unmoved)[statistics] != results(whole)[statistics]
+
+
+def test_teacher_statistics_are_refused_where_they_cannot_move(fmnist_dir, home, tmp_path, capsys, monkeypatch):
+    args = tiny_args(fmnist_dir, tmp_path / "run", "--kd-teacher-statistics", "authors")
+    missing = "add --kd-mode train --frozen-bn train --frozen-bn-statistics local"
+    expect_user_error(args, capsys, monkeypatch, "--kd-teacher-statistics authors", missing)
+    nokd = [*args, "--method", "perada-nokd"]  # no teachers
+    expect_user_error(nokd, capsys, monkeypatch, "--kd-teacher-statistics is a setting of perada:")
+    flower = [*args, *AUTHORS, "--engine", "flower"]
+    expect_user_error(flower, capsys, monkeypatch, "--engine builtin")
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+import peradapt
 from peradapt.config import TrainConfig
 from peradapt.data import chexpert as chexpert_module
 from peradapt.federation.session import build_session
@@ -63,11 +64,20 @@ def test_every_preset_is_a_valid_config_that_differs_from_the_defaults():
             "kd_normalization": "own",
             "normalization_constants": "authors",
             "kd_batches": "epochs",
+            "kd_teacher_statistics": "authors",
         }
         for key, value in authors.items():
             assert settings[key] == value != defaults[key], (name, key)
     # the authors' lambda on lambda * ||v - w||^2 is half of peradapt's
     assert [preset_settings(name)["lam"] for name in PRESETS] == [2.0, 0.2, 2.0]
+
+
+def test_the_presets_ablation_and_distilling_baseline_run_without_perada_teachers():
+    """PerAda w/o KD (REPRODUCING.md's command) and FedDF on a preset: no teachers of perada's to move."""
+    for method in ("perada-nokd", "feddf"):
+        config = peradapt.training_config(preset="perada-cifar10", method=method)
+        assert "kd_teacher_statistics" not in config.to_flat() and config.distill.kd_mode == "train"
+    assert peradapt.training_config(preset="perada-cifar10").method_settings.kd_teacher_statistics == "authors"
 
 
 def test_info_prints_what_a_preset_sets(capsys, monkeypatch):
@@ -112,7 +122,7 @@ def test_each_preset_trains_end_to_end(preset, data_dir, rgb_weights, tmp_path, 
     expected.update({"rounds": 2, "kd_steps": 2, "batch_size": 16})
     for key in ("kd_mode", "frozen_bn", "kd_normalization", "kd_augment", "partition", "lam", "server_lr", "data"):
         assert flat[key] == expected[key], key  # ... and the rest is the preset's
-    for key in ("normalization_constants", "kd_batches", "frozen_bn_statistics"):
+    for key in ("normalization_constants", "kd_batches", "frozen_bn_statistics", "kd_teacher_statistics"):
         assert flat[key] == expected[key], key
     report = json.loads((out / "report.json").read_text())
     selected = report["selected_on_test"]

@@ -20,6 +20,10 @@ Each step's batch (`distillation_batches`, `--kd-batches`) is a fresh random sub
 the authors' DataLoader over a SubsetRandomSampler, whose iterator every round starts afresh).
 
 Only during the first `--kd-rounds` rounds, if set (the authors' `kd_max_round`); later rounds keep the mean.
+
+The teachers are read, never changed, unless `distill` is given a list for their statistics (PerAda's
+`--kd-teacher-statistics authors`): the authors' teachers are the clients' local models, left in training mode, so
+every teacher pass of a batch moves the teacher's frozen BatchNorms' running statistics, and the client keeps them.
 """
 
 from __future__ import annotations
@@ -130,12 +134,19 @@ class Distiller:
         *,
         seed: int,
         on_step: Callable[[int], None] | None = None,
+        teacher_statistics: list[AdapterState] | None = None,
     ) -> tuple[AdapterState, dict[str, float]]:
-        """R Adam steps from `student` towards the teachers' mean logits; returns the best adapter on validation."""
+        """R Adam steps from `student` towards the teachers' mean logits; returns the best adapter on validation.
+
+        With a `teacher_statistics` list, each teacher pass moves the teacher's frozen BatchNorms' running
+        statistics (`AdaptedModel.frozen_norm_buffers`) as the training-mode pass moves them, teacher after teacher
+        and batch after batch, and the list receives each teacher's as the last pass left them, in the teachers'
+        order: the authors' teachers are models the clients keep. In inference mode no pass moves them."""
         started = time.perf_counter()
         config, trainer, inputs = self.config, self.trainer, self.inputs
         assert inputs is not None
         model = trainer.model
+        moving = model.frozen_norm_buffers if teacher_statistics is not None else frozenset()
         steps = config.kd_steps
         check_every = check_interval(config)
         loss_of = multilabel_kd_loss if config.kd_loss == "bernoulli" else kd_loss
@@ -166,7 +177,7 @@ class Distiller:
             if cached is not None:
                 teacher_logits = cached[batch.to(cached.device)]
             else:
-                teacher_logits = self.teacher_logits(teachers, images, set_mode)
+                teacher_logits, teachers = self.teacher_logits(teachers, images, set_mode, moving)
                 self.samples_inferred += len(teachers) * len(batch)
             set_mode()
             with inputs.autocast():
@@ -192,6 +203,8 @@ class Distiller:
                     checks_without_gain += 1
                     if config.kd_patience and checks_without_gain >= config.kd_patience:
                         break
+        if teacher_statistics is not None:
+            teacher_statistics[:] = [{key: teacher[key] for key in moving} for teacher in teachers]
         info = {
             "kd_loss": last_loss,
             "kd_val_before": start_score,
@@ -208,18 +221,28 @@ class Distiller:
 
     @torch.no_grad()
     def teacher_logits(
-        self, teachers: Sequence[AdapterState], images: torch.Tensor, set_mode: Callable[[], None]
-    ) -> torch.Tensor:
+        self,
+        teachers: Sequence[AdapterState],
+        images: torch.Tensor,
+        set_mode: Callable[[], None],
+        moving: frozenset[str] = frozenset(),
+    ) -> tuple[torch.Tensor, list[AdapterState]]:
         """The teachers' mean logits on this batch, each teacher loaded into the shared model in turn and put in
-        the distillation's mode by `set_mode`; the student's state is put back afterwards."""
+        the distillation's mode by `set_mode`; the student's state is put back afterwards. Also the teachers after
+        their passes: their entries `moving` as the pass left them in the model, the rest as they were."""
         assert self.inputs is not None
         model = self.trainer.model
         student = model.state()
         total = torch.zeros(())
+        passed = []
         for teacher in teachers:
             model.load_state(teacher)
             set_mode()
             with self.inputs.autocast():
                 total = total + model(images).float()
+            if moving:
+                after = model.state()
+                teacher = {**teacher, **{key: after[key] for key in moving}}
+            passed.append(teacher)
         model.load_state(student)
-        return total / len(teachers)
+        return total / len(teachers), passed

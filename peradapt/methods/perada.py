@@ -22,6 +22,12 @@ takes every other entry from the first client of the round's sample (aggregation
 first, which is uniform over the sampled clients: here a seeded uniform draw among them), and sends only what it
 averaged, so each client's local model keeps its own frozen statistics from one round it is sampled to the next
 (optim/base.py, `state_dict_sever_to_client`).
+
+Those local models are also the authors' distillation teachers, left in training mode by client training, so every
+teacher pass under `--kd-mode train` moves their frozen BatchNorms' running statistics, which the client trains
+from when it is next sampled (aggregation/distillation.py). `--kd-teacher-statistics authors` does the same: the
+statistics each teacher's passes leave replace its client's own. The server's were taken before distillation, from
+the uploads, as the authors' averaging takes them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from peradapt.seeds import SAMPLING, derive_seed
 from peradapt.settings import setting
 
 FROZEN_BN_STATISTICS = ("averaged", "local")
+KD_TEACHER_STATISTICS = ("unchanged", "authors")
 LOCAL_NORMS_KEY = "local_frozen_bn"  # a client's own frozen BatchNorm statistics, with --frozen-bn-statistics local
 
 
@@ -53,6 +60,19 @@ class PerAdaSettings:
     )
 
 
+@dataclass
+class PerAdaKDSettings(PerAdaSettings):
+    """perada's own, beside those perada-nokd shares: what its distillation does to the teachers."""
+
+    kd_teacher_statistics: str = setting(
+        "unchanged",
+        help="What distillation's teacher passes do to the clients' frozen BatchNorm statistics: unchanged (the "
+        "teachers are read) or authors (each training-mode pass moves its teacher's, which its client trains from "
+        "next: the authors' code; needs --kd-mode train, --frozen-bn train, --frozen-bn-statistics local).",
+        choices=KD_TEACHER_STATISTICS,
+    )
+
+
 @register
 class PerAda(ProximalPersonalization):
     name = "perada"
@@ -61,12 +81,26 @@ class PerAda(ProximalPersonalization):
     uses_distillation = True
     uses_proximal = True  # the personal update (line 10); perada-nokd inherits it
     supports_dp = True
-    settings_class = PerAdaSettings
-    settings: PerAdaSettings
+    settings_class = PerAdaKDSettings
+    settings: PerAdaKDSettings  # perada-nokd's are PerAdaSettings: kd_teacher_statistics is read where it distills
 
     def __init__(self, context: MethodContext) -> None:
         super().__init__(context)
         local = self.settings.frozen_bn_statistics == "local"
+        self.moves_teachers = self.uses_distillation and self.settings.kd_teacher_statistics == "authors"
+        if self.moves_teachers:
+            distiller = self.context.distiller
+            needs = {
+                "--kd-mode train": distiller is not None and distiller.config.kd_mode == "train",  # passes that move
+                "--frozen-bn train": self.config.frozen_bn == "train",  # the statistics in the state
+                "--frozen-bn-statistics local": local,  # a client's own, which it trains from
+            }
+            missing = [flag for flag, holds in needs.items() if not holds]
+            if missing:
+                raise ConfigError(
+                    "--kd-teacher-statistics authors moves the frozen BatchNorm statistics each client keeps in "
+                    f"distillation's training-mode teacher passes: add {' '.join(missing)}"
+                )
         # The state keys each client keeps for itself (none: all of the state is the global adapter's).
         self.local_norms = self.trainer.model.frozen_norm_buffers if local else frozenset()
         if local and not self.local_norms:
@@ -103,7 +137,12 @@ class PerAda(ProximalPersonalization):
         distiller = self.context.distiller
         if not self.uses_distillation or not distiller or not distiller.active(round_index):
             return averaged, {}
-        return distiller.distill(averaged, teachers, seed=seed, on_step=on_step)  # lines 19-22
+        moved: list[AdapterState] | None = [] if self.moves_teachers else None
+        distilled = distiller.distill(averaged, teachers, seed=seed, on_step=on_step, teacher_statistics=moved)
+        if moved is not None:  # each client's statistics as its teacher's passes left them, for its next round
+            for update, statistics in zip(updates, moved, strict=True):
+                self.store.put(update.client_id, LOCAL_NORMS_KEY, statistics)
+        return distilled  # lines 19-22
 
     def own_norms(self, client_id: int) -> AdapterState:
         """The frozen statistics the client's local model keeps (`--frozen-bn-statistics local`): from the round it
@@ -119,3 +158,4 @@ class PerAdaNoKD(PerAda):
     name = "perada-nokd"
     summary = "PerAda without server distillation: the global adapter is the plain mean of local adapters"
     uses_distillation = False
+    settings_class = PerAdaSettings  # no teachers: no --kd-teacher-statistics
