@@ -38,7 +38,7 @@ lint: install-test
 
 # docs/SETTINGS.md, generated from the settings' declarations (tests/test_settings.py checks that it is current).
 settings-doc:
-	$(PYTHON) -c "from peradapt.config import settings_markdown; print(settings_markdown(), end='')" > docs/SETTINGS.md
+	$(PYTHON) -c "from peradapt.options import settings_markdown; print(settings_markdown(), end='')" > docs/SETTINGS.md
 
 # docs/METHOD_API.md, generated from the docstrings of what a method may use (tests/test_method_reference.py checks
 # that it is current).

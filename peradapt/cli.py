@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import sys
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -17,8 +19,18 @@ from rich.text import Text
 
 from peradapt import api
 from peradapt.config import COMPARE_SETS, METHODS, listed_settings, search_space
-from peradapt.errors import INTERRUPTED_BEFORE_WRITING, ConfigError, Interrupted, PeradaptError, interrupts_raise
-from peradapt.presets import PRESETS
+from peradapt.errors import INTERRUPTED_BEFORE_WRITING, Interrupted, PeradaptError, interrupts_raise
+from peradapt.options import (
+    CommandOptions,
+    CompareOptions,
+    EvalOptions,
+    ExportOptions,
+    InfoOptions,
+    PersonalizeOptions,
+    PretrainOptions,
+    ReportOptions,
+    TrainOptions,
+)
 from peradapt.progress import counted, text_console
 from peradapt.settings import Setting, declared_settings
 
@@ -62,23 +74,50 @@ def command(name: str | None = None, **details: Any) -> Callable[[F], F]:
     return register
 
 
-# The commands that take a flag per setting: their own parameters and the settings whose flags they hide.
-_TAKE_SETTINGS: dict[Callable[..., Any], tuple[list[inspect.Parameter], frozenset[str]]] = {}
+@dataclass(frozen=True)
+class _Takes:
+    """What a command built by `takes_options` takes besides its options class: its own parameters (arguments),
+    whether it takes a flag per setting, and the settings whose flags it hides."""
+
+    options: type[CommandOptions]
+    own: list[inspect.Parameter]
+    settings: bool
+    hidden: frozenset[str]
 
 
-def takes_settings(hidden: Collection[str] = ()) -> Callable[[F], F]:
-    """A command that also takes one flag per declared setting, each in its setting's help panel, but where it has a
-    parameter of that name itself; the function gets them as keyword arguments (`**settings`), None where a flag was
-    not given. The flags of `hidden` are not shown: the command refuses them with its own explanation."""
+_TAKES: dict[Callable[..., Any], _Takes] = {}
+
+
+def takes_options(
+    options_class: type[CommandOptions], *, settings: bool = False, hidden: Collection[str] = ()
+) -> Callable[[F], F]:
+    """A command whose flags are the options `options_class` declares (`peradapt.options`), and with `settings` one
+    flag per shared and method setting too, each in its setting's help panel, except where an option has its name.
+    The function gets its options object as `options`, made and checked from the flags given, the settings given as
+    keyword arguments (`**settings`) and its other parameters (arguments) as they are. The setting flags of `hidden`
+    are not shown: the command refuses them with its own explanation."""
 
     def declare(function: F) -> F:
         parameters = inspect.signature(function, eval_str=True).parameters.values()
-        own = [parameter for parameter in parameters if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
-        _TAKE_SETTINGS[function] = own, frozenset(hidden)
-        # Its flags are added by `main`, for a command line that runs it: they are every method's settings, and
-        # reading those imports the methods (torch), which `peradapt --help` and the other commands do not need.
-        function.__signature__ = inspect.Signature(own)  # type: ignore[attr-defined]
-        return function
+        own = [p for p in parameters if p.name != "options" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+        named = {declared.name for declared in options_class.declared()}
+
+        @functools.wraps(function)
+        def run(**flags: Any) -> Any:
+            arguments = {p.name: flags.pop(p.name) for p in own}
+            options = options_class.from_values(
+                {key: flags.pop(key) for key in list(flags) if key in named and _was_given(flags[key])}
+            )
+            return function(options=options, **arguments, **given_settings(flags))
+
+        flags = [*own, *map(_option_parameter, options_class.declared())]
+        _TAKES[run] = _Takes(options_class, flags, settings, frozenset(hidden))
+        # Typer reads a command's flags from its function's signature (`inspect.signature`, which honours
+        # `__signature__`). The setting flags are added by `main`, for a command line that runs such a command: they
+        # are every method's settings, and reading those imports the methods (torch), which `peradapt --help` and
+        # the other commands do not need.
+        run.__signature__ = inspect.Signature(_TAKES[run].own)  # type: ignore[attr-defined]
+        return run  # type: ignore[return-value]
 
     return declare
 
@@ -87,34 +126,44 @@ def add_setting_flags() -> None:
     """Give the commands that take settings a flag for every setting of the methods registered now. `main` calls it
     for a command line that runs one of them, once the plugins it names are registered; whatever else builds the
     commands from `app` (`typer.main.get_command`) calls it first."""
-    for function in _TAKE_SETTINGS:
-        _add_setting_flags(function)
+    for function, takes in _TAKES.items():
+        if not takes.settings:
+            continue
+        names = {parameter.name for parameter in takes.own}
+        flags = [
+            _setting_parameter(declared, panel, hidden=declared.name in takes.hidden)
+            for declared, panel in listed_settings()
+            if declared.flag and declared.name not in names
+        ]
+        function.__signature__ = inspect.Signature([*takes.own, *flags])  # type: ignore[attr-defined]
 
 
-def _add_setting_flags(function: Callable[..., Any]) -> None:
-    # Typer reads a command's options from its function's signature (`inspect.signature`, which honours
-    # `__signature__`): the generated flags are keyword parameters of it, each annotated with its `typer.Option`.
-    own, hidden = _TAKE_SETTINGS[function]
-    names = {parameter.name for parameter in own}
-    flags = [
-        _setting_parameter(declared, panel, hidden=declared.name in hidden)
-        for declared, panel in listed_settings()
-        if declared.flag and declared.name not in names
-    ]
-    function.__signature__ = inspect.Signature([*own, *flags])  # type: ignore[attr-defined]
+def _option_parameter(declared: Setting) -> inspect.Parameter:
+    """The flag of a command's own option: required where it has no default, `--x/--no-x` for a switch that is on
+    unless turned off."""
+    names = [f"{declared.flag_name}/--no-{declared.flag_name[2:]}"] if declared.default is True else []
+    return _setting_parameter(declared, None, names=names, required=declared.required)
 
 
-def _setting_parameter(declared: Setting, panel: str, *, hidden: bool) -> inspect.Parameter:
+def _setting_parameter(
+    declared: Setting,
+    panel: str | None,
+    *,
+    hidden: bool = False,
+    names: list[str] | None = None,
+    required: bool = False,
+) -> inspect.Parameter:
     """The flag of a setting: a switch for a bool, text where a word may stand for the value (`--lam auto`), a list
-    for a repeatable flag; default None, so that a flag not given leaves the preset's or config file's value."""
+    for a repeatable flag; default None, so that a flag not given leaves the preset's or config file's value (or the
+    option's default)."""
     help_text = declared.help_text()
     shown = declared.default is not None or declared.shown_default is not None or declared.none_word is not None
-    if declared.base_type != "bool" and shown:
+    if declared.base_type != "bool" and shown and not required:
         help_text += f" [default: {declared.default_text()}]"
-    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+    kinds: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "Path": Path}
     value = str if declared.auto or declared.none_word else kinds[declared.base_type]
     option = Opt(
-        declared.flag_name,
+        *(names or [declared.flag_name]),
         help=help_text,
         metavar=declared.metavar,
         rich_help_panel=panel,
@@ -123,8 +172,16 @@ def _setting_parameter(declared: Setting, panel: str, *, hidden: bool) -> inspec
     )
     annotation: Any = list[value] if declared.repeatable else value  # type: ignore[valid-type]
     return inspect.Parameter(
-        declared.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation | None, option]
+        declared.name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=inspect.Parameter.empty if required else None,
+        annotation=Annotated[annotation if required else annotation | None, option],
     )
+
+
+def _was_given(value: Any) -> bool:
+    """Whether a flag was given: Typer passes None for an option not given, an empty list for a repeatable one."""
+    return value is not None and value not in ((), [])
 
 
 def given_settings(flags: dict[str, Any]) -> dict[str, Any]:
@@ -138,56 +195,16 @@ def given_settings(flags: dict[str, Any]) -> dict[str, Any]:
 # The title's note for a run of --eval-split validation, whose scores are on no test image.
 SCORED_ON_VALIDATION = ", scored on validation splits held out of the clients' training images (no test image)"
 INFO_CLIENT_ROWS = 100  # `info` lists this many clients of a larger federation; partition.json has them all
-RunDir = Annotated[Path, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)]
-RunWeights = Annotated[
-    Path | None,
-    Opt(
-        "--weights",
-        help="The backbone weights file (safetensors) the run was trained on, where this machine has no copy of them "
-        "(the run looks in $PERADAPT_HOME/backbones/sha256/FINGERPRINT.safetensors); checked against the run's "
-        "fingerprint.",
-        show_default=False,
-    ),
-]
 
 
 @command()
-def pretrain(
-    data: Annotated[str, Opt(help="Dataset whose labeled pretraining split trains the backbone.")] = "fmnist",
-    backbone: Annotated[
-        str, Opt(help="timm model name, a narrow ResNet such as resnet18_w16, or the tiny ViT vit_tiny_p4_32.")
-    ] = "resnet18",
-    epochs: Annotated[int, Opt(help="Passes over the pretraining split.")] = 5,
-    batch_size: Annotated[int, Opt(help="Minibatch size.")] = 128,
-    lr: Annotated[
-        float | None,
-        Opt(help="Peak learning rate of the one-cycle schedule [default: 0.05 (SGD); ViTs: 0.001 (AdamW)]."),
-    ] = None,
-    limit_samples: Annotated[int | None, Opt(help="Use at most this many images (smoke runs).")] = None,
-    data_dir: Annotated[Path | None, Opt(help="Where the dataset files are.")] = None,
-    download: Annotated[bool, Opt(help="Download the dataset if missing (needs a network).")] = False,
-    out: Annotated[Path | None, Opt(help="Weights file to write [default: the store `train` looks in].")] = None,
-    seed: Annotated[int, Opt(help="Random seed.")] = 0,
-    device: Annotated[str, Opt(help="auto, cpu or cuda.")] = "auto",
-) -> None:
+@takes_options(PretrainOptions)
+def pretrain(options: PretrainOptions) -> None:
     """Make a backbone offline by training it on a labeled split the clients never see (stands in for ImageNet)."""
     from peradapt.backbones import default_weights_path, pinned_weights_path
 
-    replaced = (out or default_weights_path(data, backbone)).is_file()
-    path, accuracy = api.pretrain(
-        data=data,
-        backbone=backbone,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        limit_samples=limit_samples,
-        data_dir=data_dir,
-        download=download,
-        out=out,
-        seed=seed,
-        device=device,
-        console=err_console,
-    )
+    replaced = (options.out or default_weights_path(options.data, options.backbone)).is_file()
+    path, accuracy = api.pretrain(options, console=err_console)
     out_console.print(f"backbone written to {path} (held-out accuracy {100 * accuracy:.2f}%)", soft_wrap=True)
     if replaced:  # runs record their backbone's fingerprint and keep a copy: they do not move to the new weights
         out_console.print(
@@ -195,16 +212,6 @@ def pretrain(
             f"(pinned under {pinned_weights_path('').parent})",
             soft_wrap=True,
         )
-
-
-DryRun = Annotated[
-    bool,
-    Opt(
-        "--dry-run",
-        help="Write nothing: print what would run (runs, rounds, client samples) and its time on this machine, from "
-        "a few timed steps of the run's own model (GPU-hours on a GPU).",
-    ),
-]
 
 
 def _table_console() -> Console:
@@ -223,27 +230,14 @@ def _print_estimate(estimate: dict) -> None:
 
 
 @command()
-@takes_settings()
-def train(
-    resume: Annotated[bool, Opt("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
-    preset: Annotated[
-        str | None,
-        Opt(
-            help=f"Start from a paper preset: {', '.join(PRESETS)} (`peradapt info --preset NAME` shows its "
-            "settings); --config and flags win over it."
-        ),
-    ] = None,
-    config: Annotated[Path | None, Opt(help="YAML or JSON file with the same keys as these flags; flags win.")] = None,
-    dry_run: DryRun = False,
-    **settings: Any,
-) -> None:
+@takes_options(TrainOptions, settings=True)
+def train(options: TrainOptions, **settings: Any) -> None:
     """Train personalized adapters in a simulated federation and write a run directory."""
-    if dry_run:
-        given = given_settings(settings)
-        _print_estimate(api.train(resume=resume, preset=preset, config_file=config, dry_run=True, **given))
+    if options.dry_run:
+        _print_estimate(api.train(options, **settings))
         return
-    train_config = api.training_config(resume=resume, preset=preset, config_file=config, **given_settings(settings))
-    report = api.train(train_config, resume=resume, console=err_console)
+    train_config = api.training_config(options, **settings)
+    report = api.train(train_config, resume=options.resume, console=err_console)
     from peradapt.evaluation import cost_summary, results_table
 
     clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
@@ -263,61 +257,8 @@ def train(
 
 
 @command()
-@takes_settings(hidden=COMPARE_SETS)
-def compare(
-    methods: Annotated[str, Opt(help="Comma-separated methods, e.g. perada,perada-nokd,ditto.", show_default=False)],
-    seeds: Annotated[int, Opt(help="Seeds 0..N-1; each fixes the partition shared by all methods.")] = 3,
-    out: Annotated[Path, Opt(help="Directory for the runs, the trials and compare.json / compare.md / PNGs.")] = Path(
-        "runs/compare"
-    ),
-    config: Annotated[Path | None, Opt(help="YAML or JSON file of train settings; flags win.")] = None,
-    tune: Annotated[
-        int,
-        Opt(
-            help="Trials per method over its declared search space (`peradapt methods`), scored on validation "
-            "splits of the clients' training images; the test split is read only by the final runs. 0: no tuning."
-        ),
-    ] = 0,
-    storage: Annotated[
-        str | None,
-        Opt(
-            help="Where the trials are kept (Optuna storage): sqlite:///FILE, postgresql://..., mysql://... or "
-            "journal:FILE; workers given the same one share the trials (docs/DEPLOY.md).",
-            show_default="sqlite:///OUT/tuning.db",
-        ),
-    ] = None,
-    tune_only: Annotated[
-        bool, Opt(help="Stop after the trials: a worker helping another `compare` that runs the final seeds.")
-    ] = False,
-    reference: Annotated[
-        str | None,
-        Opt(help="The method each other is tested against (paired over seeds).", show_default="perada, if compared"),
-    ] = None,
-    anchors: Annotated[
-        bool, Opt(help="Add standalone (local training) and fedavg-ft as anchors where not listed.")
-    ] = True,
-    ood: Annotated[str | None, Opt(help="Also score every run on this OOD set (as `peradapt eval --ood`).")] = None,
-    ood_limit: Annotated[int | None, Opt(help="With --ood: at most N images of each corruption and severity.")] = None,
-    test: Annotated[
-        str,
-        Opt(
-            help="The paired test over seeds: t (paired t-test) or wilcoxon (signed-rank: cannot reach p < 0.05 "
-            "below 6 seeds). Its p are Holm-adjusted over the comparisons shown together.",
-            metavar="t|wilcoxon",
-        ),
-    ] = "t",
-    target_accuracy: Annotated[
-        float | None,
-        Opt(
-            help="The personalized local-test % whose first evaluated round (and client samples and bytes by then) "
-            "each method's curve is scored by, in the column 'rounds to'.",
-            show_default="90% of the best method's final mean",
-            metavar="PERCENT",
-        ),
-    ] = None,
-    dry_run: DryRun = False,
-    **settings: Any,
-) -> None:
+@takes_options(CompareOptions, settings=True, hidden=COMPARE_SETS)
+def compare(options: CompareOptions, **settings: Any) -> None:
     """Tune, repeat and cost several methods on the same partitions and seeds, and print the ranked comparison.
 
     The `peradapt train` flags (--data, --clients, --rounds, --budget, --limit-samples, ...) apply to every run, but
@@ -328,63 +269,34 @@ def compare(
     """
     from peradapt.commands.comparison import rich_table
 
-    names = [name.strip() for name in methods.split(",") if name.strip()]
-    result = api.compare(
-        names,
-        seeds=seeds,
-        out=out,
-        config_file=config,
-        tune=tune,
-        storage=storage,
-        tune_only=tune_only,
-        reference=reference,
-        anchors=anchors,
-        ood=ood,
-        ood_limit=ood_limit,
-        test=test,
-        target_accuracy=target_accuracy,
-        dry_run=dry_run,
-        console=err_console,
-        **given_settings(settings),
-    )
-    if dry_run:
+    result = api.compare(options, console=err_console, **settings)
+    if options.dry_run:
         _print_estimate(result)
         return
-    if tune_only:
+    if options.tune_only:
         out_console.print(f"trials done: {', '.join(result['methods'])}", soft_wrap=True)
         return
     _table_console().print(rich_table(result))
+    out = options.out
     out_console.print(f"written to {out / 'compare.json'}, {out / 'compare.md'} and PNGs", soft_wrap=True)
 
 
 @command("eval")
-def evaluate(
-    run: RunDir,
-    ood: Annotated[
-        str | None,
-        Opt(
-            help="Instead: accuracy on an out-of-distribution set: fmnist-c (corruptions generated from the test "
-            "set), cifar10-c[:PATH] (the published files; generated with imagecorruptions when absent), "
-            "cifar10.1[:PATH], svhn[:PATH] or stl10[:PATH] (their test images), imagefolder:PATH (PATH/<class "
-            "index or name>/<images>) or hf:NAME_OR_PATH[:CONFIG] (a Hugging Face dataset's test split); named "
-            "classes are matched to the run's. Generated sets are cached under $PERADAPT_HOME/ood."
-        ),
-    ] = None,
-    ood_limit: Annotated[int | None, Opt(help="Use at most N images of each OOD corruption and severity.")] = None,
-    weights: RunWeights = None,
-) -> None:
+@takes_options(EvalOptions)
+def evaluate(options: EvalOptions) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
     from peradapt.commands.finished_run import ood_report_name, ood_table
     from peradapt.evaluation import results_table, summarize
 
+    run, ood = options.run, options.ood
     if ood is not None:
-        result = api.evaluate(run, ood=ood, ood_limit=ood_limit, weights=weights, console=err_console)
+        result = api.evaluate(options, console=err_console)
         console = out_console if out_console.is_terminal else text_console(width=120)
         console.print(ood_table(result, f"{ood} on {run}, {counted(len(result['clients']), 'client')}"))
         out_console.print(f"images: {result['provenance']}", soft_wrap=True)
         out_console.print(f"written to {run / ood_report_name(ood)}", soft_wrap=True)
         return
-    evaluation = api.evaluate(run, ood_limit=ood_limit, weights=weights)
+    evaluation = api.evaluate(options)
     split = evaluation["eval_split"]
     title = f"evaluation of {run}" + (SCORED_ON_VALIDATION if split == "validation" else "")
     out_console.print(results_table(summarize(evaluation), title, evaluation["metric"], eval_split=split))
@@ -392,55 +304,15 @@ def evaluate(
 
 
 @command()
-def export(
-    run: RunDir,
-    out: Annotated[Path, Opt(help="Directory to write the adapters and backbone to.", show_default=False)],
-    push_to_hub: Annotated[
-        str | None,
-        Opt(
-            help="Also upload the export to this Hugging Face model repository (OWNER/NAME, created if new): the "
-            "backbone, the global adapter, the --clients' adapters and their model cards. It replaces the adapters "
-            "an earlier push put there. Needs a token: `hf auth login` or HF_TOKEN.",
-            show_default=False,
-        ),
-    ] = None,
-    clients: Annotated[
-        str | None,
-        Opt(help="With --push-to-hub: the clients whose adapters go up, as ids (0,3,5) or all.", show_default=False),
-    ] = None,
-    private: Annotated[bool, Opt("--private", help="With --push-to-hub: create the repository private.")] = False,
-    merge: Annotated[
-        bool,
-        Opt(
-            "--merge",
-            help="Export each client's model and the global one with the adapters folded into the backbone's "
-            "weights: plain timm (or transformers) models, same outputs in eval mode, that load without peradapt "
-            "(residual adapters of ResNets, LoRA and full models; not the ViT bottleneck adapter).",
-        ),
-    ] = False,
-    license: Annotated[
-        str | None,
-        Opt(
-            help="The license the model cards declare (a Hub license id: apache-2.0, mit, cc-by-nc-4.0, other, "
-            "...). Default: the backbone weights' own where their Hub config names one, else none.",
-            show_default=False,
-        ),
-    ] = None,
-    weights: RunWeights = None,
-) -> None:
+@takes_options(ExportOptions)
+def export(options: ExportOptions) -> None:
     """Copy every client's adapter and the global adapter (PEFT layout) with their frozen backbone, and a model card
     (README.md) for each that says how to load it; with --merge, whole models instead."""
-    if push_to_hub is None and (clients is not None or private):
-        raise ConfigError("--clients and --private choose what --push-to-hub uploads: add --push-to-hub OWNER/NAME")
-    if push_to_hub is None:
-        path, url = api.export(run, out, merge=merge, license=license, weights=weights), None
+    if options.push_to_hub is None:
+        path, url = api.export(options), None
     else:
-        chosen = "all" if clients is None else clients
-        url = api.push_to_hub(
-            run, out, push_to_hub, clients=chosen, private=private, merge=merge, license=license, weights=weights
-        )
-        path = out
-    what = "merged models" if merge else "adapters, backbone"
+        path, url = options.out, api.push_to_hub(options)
+    what = "merged models" if options.merge else "adapters, backbone"
     out_console.print(f"{what} and model cards written to {path}", soft_wrap=True)
     out_console.print(f"how to load them: {path / 'README.md'} and each model's README.md", soft_wrap=True)
     if url is not None:
@@ -448,26 +320,15 @@ def export(
 
 
 @command()
-def personalize(
-    run: RunDir,
-    new_client: Annotated[
-        str,
-        Opt(
-            help="Id of a client the run held out with --holdout-clients, or a directory of the new client's images: "
-            "DIR/<class>/<images> (a quarter kept for its test) or DIR/train/<class>/ and DIR/test/<class>/ (also "
-            "as imagefolder:DIR), or hf:NAME_OR_PATH[:CONFIG] (a Hugging Face dataset).",
-            show_default=False,
-        ),
-    ],
-    weights: RunWeights = None,
-) -> None:
+@takes_options(PersonalizeOptions)
+def personalize(options: PersonalizeOptions) -> None:
     """Personalize a client that never took part in training, from the run's global model, with the run's method.
 
     Prints its local-test accuracy with the global model and with its personalized model; writes the model and
     result.json under RUN/new_clients/<name>/."""
     from peradapt.evaluation.report import METRIC_LABELS
 
-    result = api.personalize_new_client(run, new_client, weights=weights)
+    result = api.personalize_new_client(options)
     before, after = result["before"]["local_test"], result["after"]["local_test"]
     out_console.print(
         f"new client {result['client']} ({result['method']}): local-test {METRIC_LABELS[result['metric']]} "
@@ -485,21 +346,14 @@ def personalize(
 
 
 @command()
-def info(
-    run: Annotated[
-        Path | None, Opt("--run", help="A run directory written by `peradapt train`.", show_default=False)
-    ] = None,
-    preset: Annotated[
-        str | None, Opt(help=f"Instead: what a paper preset sets ({', '.join(PRESETS)}).", show_default=False)
-    ] = None,
-) -> None:
+@takes_options(InfoOptions)
+def info(options: InfoOptions) -> None:
     """Resolved config, partition statistics and trainable-parameter count of a run, or a preset's settings."""
-    if (run is None) == (preset is None):
-        raise ConfigError("info takes --run DIR or --preset NAME (one of them)")
-    if preset is not None:
-        _print_preset(preset)
+    run = options.run
+    if run is None:
+        assert options.preset is not None
+        _print_preset(options.preset)
         return
-    assert run is not None
     from peradapt.commands.finished_run import label_skew
     from peradapt.rundir.layout import read_partition, read_report, read_run_config
 
@@ -649,15 +503,13 @@ def _print_method(name: str, cls: type, console: Any) -> None:
 
 
 @command()
+@takes_options(ReportOptions)
 def report(
     runs: Annotated[list[Path], Arg(metavar="RUN", help="Finished run directories (`peradapt train --out`).")],
-    out: Annotated[
-        Path | None,
-        Opt(help="Directory for the plots and tables [default: the run's own directory for one run, else reports/]."),
-    ] = None,
+    options: ReportOptions,
 ) -> None:
     """Plots (accuracy per round, per client) and a Markdown/JSON table comparing finished runs."""
-    for path in api.report(runs, out):
+    for path in api.report(runs, options):
         out_console.print(f"written {path}", soft_wrap=True)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from peradapt.errors import ConfigError, PeradaptError, PluginError
 from peradapt.progress import counted
-from peradapt.settings import NoSettings, Search, Setting, check_search, declared_settings, markdown_table, setting
+from peradapt.settings import NoSettings, Search, Setting, check_search, declared_settings, setting
 
 # BatchNorm in training mode normalizes a batch by its own statistics, which one sample has not: client minibatches
 # (and distillation batches under --kd-mode train) hold 2 samples or more.
@@ -1068,19 +1068,6 @@ def listed_settings() -> list[tuple[Setting, str]]:
     for key, declared in _method_declarations().items():
         listed.append((declared, f"{METHOD}: {', '.join(setting_owners(key))}"))
     return listed
-
-
-def settings_markdown() -> str:
-    """docs/SETTINGS.md: every setting of `peradapt train` (`make settings-doc` writes it; a test compares)."""
-    intro = (
-        "# Settings of `peradapt train`\n\n"
-        "Generated from the declarations in `peradapt/config.py` and the methods' own settings in "
-        "`peradapt/methods/` by `make settings-doc`: do not edit by hand. Each flag is also a config-file key "
-        "(`--kd-steps 50` is `kd_steps: 50` or `kd-steps: 50`); flags win over `--config`, which wins over "
-        '`--preset`. A method\'s own settings (panels "Method: NAME") are refused with any other `--method`; '
-        "`peradapt methods NAME` shows them with their paper's symbols.\n\n"
-    )
-    return intro + markdown_table(listed_settings())
 
 
 # A setting as an error names it: its flag, or `setting 'key'` (a value of the wrong type, from a flag or a file).

@@ -1,13 +1,14 @@
 """Settings declared once: a dataclass field made by `setting(...)` carries everything peradapt says about it.
 
 A setting's flat key is its field name (the flag is `--the-name-with-dashes`, the config-file key the name with
-either), its type the field's annotation (bool, int, float or str, optionally `| None`), its default the field's.
+either), its type the field's annotation (bool, int, float, str or Path, optionally `| None`), its default the
+field's (`REQUIRED`: none, the option must be given).
 `setting()` adds the rest in the field's metadata: the help text, the help panel (`group`), inclusive or exclusive
 bounds or a list of choices, why a bound is where it is, a metavar, what a `None` default means, the paper's
-symbol, and the range `compare --tune` searches it over (`Search`). From that one declaration come the `train`
-command's flags and their help panels (`peradapt.cli`), the keys of config files and of a run's config.json and
-their checks (`peradapt.config`), the search spaces of `peradapt.tuning`, `peradapt info --preset`, `peradapt
-methods` and the table in docs/SETTINGS.md.
+symbol, and the range `compare --tune` searches it over (`Search`). From that one declaration come every command's
+flags and their help panels (`peradapt.cli`), the keys of config files and of a run's config.json and their checks
+(`peradapt.config`), the commands' own options objects and their checks (`peradapt.options`), the search spaces of
+`peradapt.tuning`, `peradapt info --preset`, `peradapt methods` and the tables in docs/SETTINGS.md.
 
 Why dataclasses and click (through Typer) rather than pydantic: the configs already are dataclasses that library
 code reads as plain attributes (`config.method.lam`), and `field(metadata=...)` is the standard library's place for
@@ -27,13 +28,15 @@ import types
 import typing
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from peradapt.errors import ConfigError
 
 # Settings reach torch as float32, which holds no larger magnitude (torch refuses to convert one).
 FLOAT32_MAX = 3.4028234663852886e38
-TYPES = ("bool", "int", "float", "str")
+TYPES = ("bool", "int", "float", "str", "Path")
+REQUIRED: Any = dataclasses.MISSING  # the default of an option that must be given (`peradapt compare --methods`)
 _METADATA_KEY = "peradapt.setting"
 
 
@@ -123,6 +126,11 @@ class Setting:
     def optional(self) -> bool:
         return self.type.endswith(" | None")
 
+    @property
+    def required(self) -> bool:
+        """It has no default: the flag must be given."""
+        return self.default is REQUIRED
+
     def help_text(self) -> str:
         """The help with `{choices}` filled in from the choices as they are now."""
         return self.help.replace("{choices}", " | ".join(map(str, self.choices)))
@@ -131,6 +139,8 @@ class Setting:
         """The default in words: what the declaration says it is, `on`/`off` for a switch, else the value."""
         if self.shown_default is not None:
             return self.shown_default
+        if self.required:
+            return "required"
         if self.default is None and self.none_word is not None:
             return self.none_word
         if self.base_type == "bool":
@@ -215,9 +225,13 @@ class Setting:
                 return int(value)
             if base == "float":
                 return float(value)
+            if base == "Path":
+                if isinstance(value, (bool, int, float)) or not str(value):  # `run: 3` in a file is no path
+                    raise ValueError(value)
+                return Path(value)
             return str(value)
         except (TypeError, ValueError):
-            kind = "true or false" if base == "bool" else base
+            kind = {"bool": "true or false", "Path": "a path"}.get(base, base)
             word = self.none_word or ("auto" if self.auto else None)
             if word is not None:  # a flag that takes a word is read as text: the flag names the mistake
                 raise ConfigError(f"{self.flag_name} must be {kind} or {word}, got {value!r}") from None
@@ -231,7 +245,7 @@ class Setting:
         base = self.base_type
         if base == "bool" or isinstance(value, bool):
             return base == "bool" and isinstance(value, bool)
-        kinds = {"int": int, "float": (int, float), "str": str}
+        kinds = {"int": int, "float": (int, float), "str": str, "Path": str}
         return isinstance(value, kinds[base])
 
 

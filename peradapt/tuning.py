@@ -74,9 +74,6 @@ RUN_DIR = "run_dir"  # a trial's user attribute: its run directory, relative to 
 WORKER = "worker"  # a trial's user attribute: "host:pid:trial number" of the worker running it
 # Trials of equal best score: the one numbered first (asked first) is the best; the others are listed as tied_with
 TIE_RULE = "of trials with the same best score, the lowest-numbered (the first asked)"
-# The seed of every trial (its partition, sampling and draws): none of compare's final seeds 0..N-1 (N < 1000), so
-# that the final runs are scored on partitions the tuning never saw
-TUNING_SEED = 1000
 SURPLUS = "surplus"  # a trial's user attribute: asked beyond the N trials, failed at once
 DIVERGED = "diverged"  # a trial's user attribute: the message of a training that diverged (the trial is pruned)
 SCHEMES = "sqlite:///FILE, postgresql://USER:PASSWORD@HOST/DB, mysql://USER:PASSWORD@HOST/DB or journal:FILE"

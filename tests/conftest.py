@@ -97,12 +97,13 @@ def fmnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def pretrained_home(tmp_path_factory: pytest.TempPathFactory, fmnist_dir: Path) -> Path:
     """A PERADAPT_HOME holding the tiny backbone, pretrained once for the whole session."""
-    from peradapt.pretraining import PretrainConfig, pretrain
+    from peradapt.options import PretrainOptions
+    from peradapt.pretraining import pretrain
 
     home = tmp_path_factory.mktemp("peradapt-home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PERADAPT_HOME", str(home))
-        config = PretrainConfig(
+        config = PretrainOptions(
             data="fmnist", backbone=TINY_BACKBONE, epochs=6, batch_size=32, lr=0.1, data_dir=str(fmnist_dir)
         )
         pretrain(config)

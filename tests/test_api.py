@@ -62,7 +62,7 @@ def test_mistakes_raise_the_command_lines_message_and_write_nothing(tmp_path, fm
     _, _, err = run_cli(args, capsys, monkeypatch)
     assert err.strip() == f"error: {raised.value}"
     assert not (tmp_path / "bad").exists()
-    with pytest.raises(ConfigError, match="unknown pretrain setting 'epoch'"):
+    with pytest.raises(ConfigError, match="unknown pretrain option 'epoch'"):
         peradapt.pretrain(epoch=1)
     with pytest.raises(RunError, match="not a peradapt run"):
         peradapt.personalize_new_client(tmp_path, "3")

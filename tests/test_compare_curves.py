@@ -89,9 +89,11 @@ def test_a_target_outside_0_to_100_is_refused_in_one_line_and_nothing_is_written
     tmp_path, fmnist_dir, capsys, monkeypatch, home
 ):
     out = tmp_path / "cmp"
-    for value in ("0", "-5", "100.5", "nan"):
+    for value in ("0", "-5", "100.5"):
         args = compare_args(fmnist_dir, out, "--target-accuracy", value)
-        expect_user_error(args, capsys, monkeypatch, "--target-accuracy is a percentage")
+        expect_user_error(args, capsys, monkeypatch, "--target-accuracy must be in (0, 100]")
+    args = compare_args(fmnist_dir, out, "--target-accuracy", "nan")
+    expect_user_error(args, capsys, monkeypatch, "--target-accuracy must be a finite number")
     assert not out.exists()
 
 

@@ -117,7 +117,7 @@ def test_dry_run_refuses_bad_values_in_one_line_and_writes_nothing(tmp_path, fmn
         ([*tiny_args(fmnist_dir, out, "--clients-per-round", "9"), "--dry-run"], "--clients-per-round"),
         ([*tiny_args(fmnist_dir, out, "--resume"), "--dry-run"], "--dry-run estimates a new run"),
         ([*tiny_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "--dry-run"], "cannot be reached"),
-        ([*compare_args(fmnist_dir, out, "--seeds", "0"), "--dry-run"], "--seeds must be at least 1"),
+        ([*compare_args(fmnist_dir, out, "--seeds", "0"), "--dry-run"], "--seeds must be between 1 and 1000"),
         ([*compare_args(fmnist_dir, out, "--budget", "client-samples:100000000"), "--dry-run"], "cannot be reached"),
     ]
     for args, needle in cases:

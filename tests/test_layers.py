@@ -19,6 +19,7 @@ LAYERS = [
     ["settings"],
     ["config"],
     ["presets"],
+    ["options"],
     ["backbones"],
     ["adapters"],
     ["data"],

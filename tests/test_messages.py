@@ -95,7 +95,7 @@ def test_a_switch_takes_a_boolean_only(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("download: maybe\n")
     with pytest.raises(ConfigError, match="must be true or false, got 'maybe'"):
-        peradapt.training_config(config_file=config)
+        peradapt.training_config(config=config)
 
 
 @pytest.mark.parametrize("left", ["partition.json", "partition.json.tmp"])
@@ -116,7 +116,7 @@ def test_a_method_setting_given_to_another_method_is_refused(tmp_path, fmnist_di
     config = tmp_path / "c.yaml"
     config.write_text("method: fedavg\nfeddyn_alpha: 0.1\n")
     with pytest.raises(ConfigError, match="--feddyn-alpha is a setting of feddyn: --method fedavg"):
-        peradapt.training_config(config_file=config)
+        peradapt.training_config(config=config)
     # What a preset sets for its own method is not the user's: another --method runs on the preset without it.
     baseline = peradapt.training_config(preset="perada-cifar10", method="ditto")
     assert baseline.method.method == "ditto" and baseline.data.kd_data == "cifar100"
@@ -124,7 +124,7 @@ def test_a_method_setting_given_to_another_method_is_refused(tmp_path, fmnist_di
     # compare gives each method its own, and refuses a key no setting has rather than dropping it.
     config.write_text("kd_stepz: 3\n")
     with pytest.raises(ConfigError, match="unknown setting 'kd_stepz'"):
-        peradapt.compare(["fedavg"], seeds=1, out=tmp_path / "compare", config_file=config, quiet=True)
+        peradapt.compare(["fedavg"], seeds=1, out=tmp_path / "compare", config=config, quiet=True)
     assert not (tmp_path / "compare").exists()
     # An old config.json holds every method's settings: they still load.
     saved = TrainConfig(method=TrainConfig().method).to_dict()

@@ -16,11 +16,11 @@ from peradapt.config import (
     check_method_settings,
     find_setting,
     listed_settings,
-    settings_markdown,
 )
 from peradapt.errors import ConfigError
 from peradapt.methods.fedavg import FedAvg
 from peradapt.methods.feddyn import FedDynSettings
+from peradapt.options import settings_markdown
 from peradapt.settings import Setting, declared_settings, setting
 
 from .test_cli import crash_after_round, expect_refusal, results, run_cli, tiny_args

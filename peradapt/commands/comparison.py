@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from rich.console import Console
@@ -60,11 +61,12 @@ from peradapt.evaluation.statistics import (
 from peradapt.federation.engine import check_budget, resume_config
 from peradapt.federation.session import build_session
 from peradapt.methods import method_class
+from peradapt.options import TUNING_SEED, CompareOptions
 from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.training import train
-from peradapt.tuning import TIE_RULE, TUNING_SEED, tune
+from peradapt.tuning import TIE_RULE, tune
 
 ANCHORS = ("standalone", "fedavg-ft")  # Local training alone and FedAvg + fine-tuning: what any pFL method must beat
 DEFAULT_REFERENCE = "perada"
@@ -129,42 +131,26 @@ COSTS = (
 )
 
 
-def compare(
-    settings: dict,
-    methods: Sequence[str],
-    seeds: Sequence[int],
-    out: Path,
-    console: Console | None = None,
-    *,
-    tune_trials: int = 0,
-    storage: str | None = None,
-    tune_only: bool = False,
-    reference: str | None = None,
-    anchors: bool = True,
-    ood: str | None = None,
-    ood_limit: int | None = None,
-    test: PairedTestName = "t",
-    target_accuracy: float | None = None,
-    dry_run: bool = False,
-) -> dict:
-    """Tune (`tune_trials` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
+def compare(options: CompareOptions, settings: dict, console: Console | None = None) -> dict:
+    """Tune (`options.tune` > 0), train (or reuse) every method x seed run, and return what compare.json holds.
 
-    `anchors` adds standalone and fedavg-ft where missing; `reference` (default perada if compared, else the first
-    method) is the method every other is tested against; `ood` names an OOD set to evaluate every run on;
-    `tune_only` stops after the trials (a worker sharing the study through `storage`). `test`: the paired test
-    (`evaluation.statistics.paired_difference`: t or wilcoxon), whose p are Holm-adjusted over the comparisons
-    shown together (each method against the reference; all pairs for the ranks). `dry_run`: instead, what the
-    sweep would run and about how long it would take here, with nothing written (`commands.estimate`).
-    `target_accuracy`: the local-test (percent) that "rounds to" counts to (default: `TARGET_SHARE` of the best
-    method's final mean). `seeds`: at least one, all below `TUNING_SEED` (`peradapt.api.compare` checks them)."""
+    `settings`: the flat `train` settings of every run. Of `options`: `anchors` adds standalone and fedavg-ft where
+    missing; `reference` (default perada if compared, else the first method) is the method every other is tested
+    against; `ood` names an OOD set to evaluate every run on; `tune_only` stops after the trials (a worker sharing
+    the study through `storage`). `test`: the paired test (`evaluation.statistics.paired_difference`: t or
+    wilcoxon), whose p are Holm-adjusted over the comparisons shown together (each method against the reference;
+    all pairs for the ranks). `dry_run`: instead, what the sweep would run and about how long it would take here,
+    with nothing written (`commands.estimate`). `target_accuracy`: the local-test (percent) that "rounds to" counts
+    to (default: `TARGET_SHARE` of the best method's final mean)."""
     console = console or text_console(stderr=True)
-    if test not in TEST_LABELS:
-        raise ConfigError(f"unknown --test '{test}': use {' or '.join(TEST_LABELS)}")
-    methods = _checked_methods(settings, methods, anchors)
-    reference = _reference(reference, methods)
+    out, tune_trials, ood, ood_limit = options.out, options.tune, options.ood, options.ood_limit
+    test = cast(PairedTestName, options.test)
+    seeds = range(options.seeds)
+    methods = _checked_methods(settings, options.method_names, options.anchors)
+    reference = _reference(options.reference, methods)
     settings = _with_holdout(settings, methods[0], console)
-    if dry_run:
-        return estimate_sweep(settings, methods, [] if tune_only else seeds, tune_trials)
+    if options.dry_run:
+        return estimate_sweep(settings, methods, [] if options.tune_only else seeds, tune_trials)
     if settings.get("budget") is not None:
         _check_budget(settings, methods, seeds[0])
     tuning = (
@@ -175,7 +161,7 @@ def compare(
                 {**settings, "seed": TUNING_SEED},
                 trials=tune_trials,
                 out=out,
-                storage=storage,
+                storage=options.storage,
                 console=console,
             )
             for method in methods
@@ -183,7 +169,7 @@ def compare(
         if tune_trials
         else {}
     )
-    if tune_only:
+    if options.tune_only:
         return {"methods": methods, "tuning": tuning}
     chosen = {method: tuning[method]["best_params"] if tuning else {} for method in methods}
     runs = {
@@ -206,7 +192,7 @@ def compare(
         next(row for row in rows if row["method"] == rank.method)["rank"] = rank.label
     rows.sort(key=lambda row: [rank.method for rank in ranks].index(row["method"]))
     curves = {row["method"]: mean_curve([fact["curve"] for fact in facts[row["method"]]]) for row in rows}
-    target = _target(target_accuracy, rows)
+    target = _target(options.target_accuracy, rows)
     for row in rows:
         row["curve"] = [point.as_dict() for point in curves[row["method"]]]
         reached = first_reaching(curves[row["method"]], target["score"])

@@ -20,6 +20,7 @@ from huggingface_hub.utils import validate_repo_id
 from peradapt.commands.cards import CARD_FILE, HubTarget, check_license, id_ranges, public_data
 from peradapt.commands.finished_run import export_run
 from peradapt.errors import ConfigError, HubError, RunError
+from peradapt.options import ExportOptions
 from peradapt.rundir.layout import read_report, read_run_config
 
 # What an export holds besides the clients' adapters: all of it goes up with every push.
@@ -54,38 +55,31 @@ def select_clients(spec: str, report: dict, run_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def push_export(
-    run_dir: Path,
-    out: Path,
-    repo_id: str,
-    clients: str = "all",
-    *,
-    private: bool = False,
-    merge: bool = False,
-    license: str | None = None,
-    weights: Path | None = None,
-) -> str:
-    """Export the run to `out` (with cards that name the repository; `merge`, `license` and `weights` as
-    `export_run` takes them) and upload it to Hugging Face model repository `repo_id` (created if new, `private`
-    then): backbone, global adapter, the adapters of `clients` (see `select_clients`) and the cards. Returns the
-    repository's URL."""
+def push_export(options: ExportOptions) -> str:
+    """Export `options.run` to `options.out` (with cards that name the repository; merged, licensed and from the
+    weights as `export_run` takes them) and upload it to Hugging Face model repository `options.push_to_hub`
+    (created if new, private with `options.private`): backbone, global adapter, the adapters of `options.clients`
+    (see `select_clients`; default all) and the cards. Returns the repository's URL."""
+    run_dir, out, repo_id, license = options.run, options.out, options.push_to_hub, options.license
+    assert repo_id is not None  # `api.push_to_hub` refuses options without one
     read_run_config(run_dir)  # a directory that is no run says so
     report = read_report(run_dir)
     if report is None:
         raise RunError(
             f"{run_dir} is not finished (no report.json): finish it with `peradapt train --out {run_dir} --resume`"
         )
-    chosen = select_clients(clients, report, run_dir)
+    chosen = select_clients("all" if options.clients is None else options.clients, report, run_dir)
     _check_repo_id(repo_id)
     if license is not None:
         check_license(license)
     _check_can_upload()
-    export_run(run_dir, out, hub=HubTarget(repo_id, chosen), merge=merge, license=license, weights=weights)
+    hub = HubTarget(repo_id, chosen)
+    export_run(run_dir, out, hub=hub, merge=options.merge, license=license, weights=options.weights)
     whole = set(chosen) == set(report["clients"])
     allowed = [*_SHARED_FILES, *(["clients/*"] if whole else [f"clients/{client}/*" for client in chosen])]
     api = HfApi()
     try:
-        url = api.create_repo(repo_id, private=True if private else None, repo_type="model", exist_ok=True)
+        url = api.create_repo(repo_id, private=True if options.private else None, repo_type="model", exist_ok=True)
         api.upload_folder(
             repo_id=repo_id,
             folder_path=out,

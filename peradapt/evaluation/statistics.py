@@ -21,11 +21,13 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
+from peradapt.options import PAIRED_TESTS
+
 CONFIDENCE = 0.95
 ALPHA = 0.05
 
 PairedTestName = Literal["t", "wilcoxon"]
-TEST_LABELS = {"t": "paired t-test", "wilcoxon": "Wilcoxon signed-rank"}
+TEST_LABELS = dict(zip(PAIRED_TESTS, ("paired t-test", "Wilcoxon signed-rank"), strict=True))
 
 # Differences whose spread is below this (relative to their size, at least 1) are taken as identical: scores are
 # accuracies in percent or fractions, and a spread of 1e-12 of them is floating-point noise from `a - b`, which would
