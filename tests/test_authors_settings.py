@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from peradapt.compute.trainer import InputPipeline
-from peradapt.config import DistillConfig
+from peradapt.config import DataConfig, DistillConfig
 from peradapt.data import ClientData, ImageSet, build_federation
 from peradapt.data.images import SourceData
 from peradapt.data.sources import normalization_statistics
@@ -62,11 +62,11 @@ def test_authors_constants_replace_the_statistics_of_the_sources_they_normalize_
 def test_a_cifar10_federation_takes_the_authors_constants_for_its_data_and_cifar100_distillation(tmp_path: Path):
     write_cifar(tmp_path, "cifar10", seed=1)
     write_cifar(tmp_path, "cifar100", seed=2)
-    common = {"num_clients": 3, "partition": "iid", "seed": 0}
-    authors = build_federation("cifar10", tmp_path, **common, normalization_constants="authors")
+    data = DataConfig("cifar10", tmp_path, partition="iid")
+    authors = build_federation(data, num_clients=3, seed=0, normalization_constants="authors")
     assert (authors.mean, authors.std) == AUTHORS_CIFAR10
     assert (authors.kd_mean, authors.kd_std) == AUTHORS_CIFAR100
-    exact = build_federation("cifar10", tmp_path, **common)
+    exact = build_federation(data, num_clients=3, seed=0)
     assert exact.std == (0.2470, 0.2435, 0.2616) and exact.kd_std == (0.2673, 0.2564, 0.2762)
     assert torch.equal(exact.kd.images, authors.kd.images)  # the same images, other statistics
 

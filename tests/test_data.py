@@ -12,6 +12,7 @@ import pytest
 import torch
 import torchvision
 
+from peradapt.config import DataConfig
 from peradapt.data import (
     SOURCE_NAMES,
     ImageSet,
@@ -324,15 +325,17 @@ def test_cifar_keeps_the_md5_check_for_real_data(tmp_path: Path) -> None:
 def test_cifar_federation_distills_on_the_other_cifar(tmp_path: Path) -> None:
     write_cifar(tmp_path, "cifar10", seed=1)
     write_cifar(tmp_path, "cifar100", seed=2)
-    fed = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0)
+    fed = build_federation(DataConfig("cifar10", tmp_path, partition="iid"), num_clients=3, seed=0)
     assert (fed.num_classes, fed.channels, fed.image_size) == (10, 3, 32)
     assert len(fed.val) == 3 and sum(len(client.train) for client in fed.clients) == 27
     assert fed.kd.labels is None and fed.kd.images.shape == (30, 3, 32, 32)
-    digits_kd = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="digits")
+    digits_kd = build_federation(
+        DataConfig("cifar10", tmp_path, partition="iid", kd_data="digits"), num_clients=3, seed=0
+    )
     assert digits_kd.kd.images.shape == (1797, 3, 8, 8)  # stored as small as they come, in the run's channels
     assert digits_kd.image_size == 32
     with pytest.raises(ConfigError, match="no unlabeled KD split"):
-        build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, kd_data="cifar10")
+        build_federation(DataConfig("cifar10", tmp_path, partition="iid", kd_data="cifar10"), num_clients=3, seed=0)
     with pytest.raises(DataError, match="no pretraining split: pass --weights FILE"):
         pretraining_split("cifar10", tmp_path, limit_samples=None)
 
@@ -387,11 +390,11 @@ def test_cifar_for_a_224_px_model_is_stored_at_32_px(tmp_path: Path) -> None:
     """A ViT's 224 px: the run's image size says 224, the stored images keep CIFAR's 32 px (49x fewer bytes)."""
     write_cifar(tmp_path, "cifar10", seed=1)
     write_cifar(tmp_path, "cifar100", seed=2)
-    fed = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, image_size=224)
+    fed = build_federation(DataConfig("cifar10", tmp_path, partition="iid", image_size=224), num_clients=3, seed=0)
     assert fed.image_size == 224
     stored = [fed.val, fed.kd, fed.global_test, *(client.train for client in fed.clients)]
     assert all(part.images.shape[1:] == (3, 32, 32) for part in stored)
-    smaller = build_federation("cifar10", tmp_path, num_clients=3, partition="iid", seed=0, image_size=16)
+    smaller = build_federation(DataConfig("cifar10", tmp_path, partition="iid", image_size=16), num_clients=3, seed=0)
     assert smaller.image_size == 16 and smaller.kd.images.shape[1:] == (3, 16, 16)
 
 
@@ -407,7 +410,7 @@ def test_image_set_subset_keeps_labels_aligned() -> None:
 
 @pytest.fixture(scope="module")
 def fmnist_federation():
-    return build_federation("fmnist", None, num_clients=5, partition="dir:0.5", seed=0, limit_samples=600)
+    return build_federation(DataConfig("fmnist", partition="dir:0.5", limit_samples=600), num_clients=5, seed=0)
 
 
 @needs_fmnist
@@ -469,38 +472,33 @@ def test_saved_partition_round_trip_gives_identical_clients(fmnist_federation) -
         assert record["train_histogram"] == client.train.labels.bincount(minlength=10).tolist()
         assert record["test_histogram"] == client.test.labels.bincount(minlength=10).tolist()
     # A different seed and spec must not matter: the saved partition is reused as it is.
-    again = build_federation(
-        "fmnist", None, num_clients=5, partition="iid", seed=9, limit_samples=600, saved_partition=saved
-    )
+    iid = DataConfig("fmnist", partition="iid", limit_samples=600)
+    again = build_federation(iid, num_clients=5, seed=9, saved_partition=saved)
     assert again.partition == fed.partition
     for before, after in zip(fed.clients, again.clients, strict=True):
         assert torch.equal(before.train.images, after.train.images)
         assert torch.equal(before.test.labels, after.test.labels)
 
     with pytest.raises(DataError, match="--clients is 4"):
-        build_federation(
-            "fmnist", None, num_clients=4, partition="iid", seed=0, limit_samples=600, saved_partition=saved
-        )
+        build_federation(iid, num_clients=4, seed=0, saved_partition=saved)
     saved["clients"][0]["train"].append(600)
     saved.pop("pool_size")
     with pytest.raises(DataError, match="outside"):
-        build_federation(
-            "fmnist", None, num_clients=5, partition="iid", seed=0, limit_samples=600, saved_partition=saved
-        )
+        build_federation(iid, num_clients=5, seed=0, saved_partition=saved)
 
 
 @needs_fmnist
 def test_fmnist_federation_errors_and_kd_choices() -> None:
     with pytest.raises(DataError, match=r"5 clients need at least 5 samples; the pool has 3 \(raise --limit-samples"):
-        build_federation("fmnist", None, num_clients=5, partition="iid", seed=0, limit_samples=3)
+        build_federation(DataConfig("fmnist", partition="iid", limit_samples=3), num_clients=5, seed=0)
     digits = build_federation(
-        "fmnist", None, num_clients=2, partition="iid", seed=0, limit_samples=50, kd_data="digits"
+        DataConfig("fmnist", partition="iid", kd_data="digits", limit_samples=50), num_clients=2, seed=0
     )
     assert digits.kd.images.shape == (50, 1, 8, 8) and digits.image_size == 28  # scaled up batch by batch
     with pytest.raises(ConfigError, match="unknown --kd-data"):
-        build_federation("fmnist", None, num_clients=2, partition="iid", seed=0, kd_data="imagenet")
+        build_federation(DataConfig("fmnist", partition="iid", kd_data="imagenet"), num_clients=2, seed=0)
     with pytest.raises(ConfigError, match="cannot be federated"):
-        build_federation("digits", None, num_clients=2, partition="iid", seed=0)
+        build_federation(DataConfig("digits", partition="iid"), num_clients=2, seed=0)
 
 
 # ---------------------------------------------------------------- batches

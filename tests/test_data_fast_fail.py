@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from peradapt.backbones import BackboneInfo, create_backbone, load_backbone
+from peradapt.backbones import BackboneInfo, DataFacts, create_backbone, load_backbone
+from peradapt.config import BackboneConfig, DataConfig
 from peradapt.data import build_federation, fixed_splits, load_source
 from peradapt.data import decode as decode_module
 from peradapt.data.decode import common_size
@@ -73,7 +74,7 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def federation(data: str, **options):
-    return build_federation(data, None, num_clients=2, partition="iid", seed=0, **options)
+    return build_federation(DataConfig(data, partition="iid", **options), num_clients=2, seed=0)
 
 
 def assert_same_federation(limited, full, splits) -> None:
@@ -246,9 +247,9 @@ def test_checks_that_need_no_pixels_come_before_any_decoding(tmp_path, cache_hom
     folder = write_folder(tmp_path / "pets", per_class=4)
     write_folder(tmp_path / "pets2", per_class=8)
     with pytest.raises(DataError, match="the client pool has"):
-        build_federation(f"imagefolder:{folder}", None, num_clients=5, partition="iid", seed=0)
+        build_federation(DataConfig(f"imagefolder:{folder}", partition="iid"), num_clients=5, seed=0)
     with pytest.raises(DataError, match="pool has 2"):
-        build_federation(f"imagefolder:{folder}", None, num_clients=3, partition="iid", seed=0, limit_samples=2)
+        build_federation(DataConfig(f"imagefolder:{folder}", partition="iid", limit_samples=2), num_clients=3, seed=0)
     (folder / "dog").mkdir()
     with pytest.raises(DataError, match="dog holds no image files"):
         federation(f"imagefolder:{folder}")
@@ -260,7 +261,9 @@ def test_checks_that_need_no_pixels_come_before_any_decoding(tmp_path, cache_hom
     (tmp_path / "partition.json").write_text(json.dumps(record))
     partition = f"file:{tmp_path / 'partition.json'}"
     with pytest.raises(DataError, match="pool_size 99"):
-        build_federation(f"imagefolder:{folder.parent / 'pets2'}", None, num_clients=2, partition=partition, seed=0)
+        build_federation(
+            DataConfig(f"imagefolder:{folder.parent / 'pets2'}", partition=partition), num_clients=2, seed=0
+        )
 
 
 # ---------------------------------------------------------------- weights and statistics
@@ -271,14 +274,14 @@ def test_grey_weights_on_colour_data_name_channels_and_image_size(tmp_path):
     path = tmp_path / "grey.safetensors"
     save_file({key: value.contiguous() for key, value in grey.state_dict().items()}, str(path))
     BackboneInfo(TINY_BACKBONE, 1, 28, (0.3,), (0.3,), "test").save(path)
-    options = {"data": "imagefolder:x", "num_classes": 3, "weights": str(path), "mean": (0.5,) * 3, "std": (0.2,) * 3}
+    backbone = BackboneConfig(TINY_BACKBONE, weights=str(path))
     with pytest.raises(
         WeightsError,
         match=r"made for grey \(1-channel\) images, but the data has 3 channels: pass "
         r"--channels 1 to train on the images in grey and --image-size 28",
     ):
-        load_backbone(TINY_BACKBONE, in_chans=3, image_size=32, **options)
-    model, _ = load_backbone(TINY_BACKBONE, in_chans=1, image_size=32, **{**options, "mean": (0.5,), "std": (0.2,)})
+        load_backbone(backbone, DataFacts("imagefolder:x", 3, 3, 32, (0.5,) * 3, (0.2,) * 3))
+    model, _ = load_backbone(backbone, DataFacts("imagefolder:x", 3, 1, 32, (0.5,), (0.2,)))
     assert model is not None
 
 
@@ -295,9 +298,8 @@ def test_imagefolder_inputs_are_normalized_with_their_own_statistics(tmp_path, c
     path = tmp_path / "bare.safetensors"
     save_file({key: value.contiguous() for key, value in bare.state_dict().items()}, str(path))
     fed = federation(f"imagefolder:{folder}")
-    _, info = load_backbone(
-        TINY_BACKBONE, data="x", num_classes=3, in_chans=3, weights=str(path), mean=fed.mean, std=fed.std, image_size=8
-    )
+    facts = DataFacts("x", 3, 3, 8, fed.mean, fed.std)
+    _, info = load_backbone(BackboneConfig(TINY_BACKBONE, weights=str(path)), facts)
     assert info.mean == fed.mean and fed.mean != (0.485, 0.456, 0.406)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from peradapt.config import DataConfig
 from peradapt.data import build_federation, fixed_splits, load_source, load_unlabeled
 from peradapt.data import decode as decode_module
 from peradapt.data.hfdata import INSTALL_HINT
@@ -220,7 +221,7 @@ def test_imagefolder_splits_one_folder_by_the_fixed_seed_and_keeps_a_pair(folder
     assert len(source.train) == 18 and len(source.test) == 4 and source.classes == CLASSES
     assert source.test.labels.tolist() == [0, 0, 1, 1]
     np.testing.assert_array_equal(source.test.images[:, 0].numpy(), np.stack(written_images(pair / "test")))
-    fed = build_federation(f"imagefolder:{pair}", None, num_clients=2, partition="iid", seed=0, kd_data="auto")
+    fed = build_federation(DataConfig(f"imagefolder:{pair}", partition="iid", kd_data="auto"), num_clients=2, seed=0)
     assert len(fed.global_test) == 4 and len(fed.val) == 1 and len(fed.kd) == 1 and fed.classes == CLASSES
 
     unlabeled = load_unlabeled(f"imagefolder:{pair}", None)  # as --kd-data: every training image, no labels
@@ -248,13 +249,13 @@ def test_hf_save_to_disk_and_parquet_are_decoded_once_with_their_splits(
     zoo = load_source(f"hf:{parquet}", None, image_size=8, channels=1, label_column="species")
     assert zoo.train.images.shape == (45, 1, 8, 8) and zoo.test is None and zoo.classes == CLASSES
     assert zoo.train.labels.tolist() == [i % 3 for i in range(45)]
-    fed = build_federation(f"hf:{parquet}", None, num_clients=2, partition="iid", seed=0, label_column="species")
+    fed = build_federation(DataConfig(f"hf:{parquet}", partition="iid", label_column="species"), num_clients=2, seed=0)
     assert len(fed.global_test) == 9 and fed.num_classes == 3  # 1/5 of 45 carved
 
     # As --kd-data: the training split's images, at the run's size and channels, without labels.
     kd = f"hf:{saved}"
     fed = build_federation(
-        f"imagefolder:{folder}", None, num_clients=2, partition="iid", seed=0, kd_data=kd, image_size=8
+        DataConfig(f"imagefolder:{folder}", partition="iid", kd_data=kd, image_size=8), num_clients=2, seed=0
     )
     assert fed.kd.images.shape == (36, 1, 8, 8) and fed.kd.labels is None
 
@@ -339,11 +340,14 @@ def test_svhn_and_stl10_read_torchvision_files_without_md5(torchvision_dir, cach
     assert unlabeled.train.labels is None
 
     # --kd-data stl10 distills on the unlabeled split: its 20 images, not the 30 labeled ones.
-    fed = build_federation("svhn", directory, num_clients=2, partition="iid", seed=0, kd_data="stl10", image_size=SIDE)
+    fed = build_federation(
+        DataConfig("svhn", directory, partition="iid", kd_data="stl10", image_size=SIDE), num_clients=2, seed=0
+    )
     assert fed.kd.images.shape == (20, 3, SIDE, SIDE) and fed.classes[:2] == ("0", "1")
-    own = build_federation("stl10", directory, num_clients=2, partition="iid", seed=0, image_size=SIDE)
+    own = build_federation(DataConfig("stl10", directory, partition="iid", image_size=SIDE), num_clients=2, seed=0)
     assert len(own.kd) == 20 and len(own.val) == 3 and len(own.global_test) == 12  # auto: the unlabeled split
-    assert len(build_federation("svhn", directory, num_clients=2, partition="iid", seed=0).kd) == 3  # own 1/10
+    own_split = build_federation(DataConfig("svhn", directory, partition="iid"), num_clients=2, seed=0)
+    assert len(own_split.kd) == 3  # own 1/10
 
     # An OOD set of its own classes: STL-10's car is CIFAR-10's automobile; monkey is left out.
     cifar = OodTarget("cifar10", 10, image_size=SIDE, channels=3, data_dir=directory)

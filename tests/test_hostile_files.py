@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from peradapt.backbones import create_backbone, load_backbone
+from peradapt.backbones import DataFacts, create_backbone, load_backbone
+from peradapt.config import BackboneConfig
 from peradapt.data import sources
 from peradapt.data.images import Rows
 from peradapt.data.ood import OodTarget, load_ood
@@ -229,8 +230,8 @@ def tiny_weights(path: Path, *, nan_in: str | None = None, **info: object) -> Pa
 
 
 def load(weights: Path):
-    options = {"num_classes": 10, "in_chans": 1, "mean": (0.5,), "std": (0.5,), "image_size": 28}
-    return load_backbone(TINY_BACKBONE, data="fmnist", weights=str(weights), **options)
+    facts = DataFacts("fmnist", 10, 1, 28, (0.5,), (0.5,))
+    return load_backbone(BackboneConfig(TINY_BACKBONE, weights=str(weights)), facts)
 
 
 def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
@@ -286,13 +287,4 @@ def test_an_hf_processor_with_a_zero_std_is_refused(tmp_path):
     processor = tmp_path / "vit" / "preprocessor_config.json"
     processor.write_text(json.dumps({"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.0, 0.5]}))
     with pytest.raises(WeightsError, match=rf"{processor}.*std"):
-        load_backbone(
-            f"hf:{tmp_path / 'vit'}",
-            data="x",
-            num_classes=2,
-            in_chans=3,
-            weights=None,
-            mean=(0.5,) * 3,
-            std=(0.5,) * 3,
-            image_size=32,
-        )
+        load_backbone(BackboneConfig(f"hf:{tmp_path / 'vit'}"), DataFacts("x", 2, 3, 32, (0.5,) * 3, (0.5,) * 3))

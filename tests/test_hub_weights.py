@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.utils import LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from peradapt.backbones import create_backbone, fixed_image_size, load_backbone
+from peradapt.backbones import DataFacts, create_backbone, fixed_image_size, load_backbone
+from peradapt.config import BackboneConfig
 from peradapt.errors import ConfigError, WeightsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,6 +27,7 @@ NAME = "test_resnet.r160_in1k"
 REPO = f"timm/{NAME}"
 HUB_STATS = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 DATA_STATS = ((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))  # CIFAR-10's
+CIFAR10 = DataFacts("cifar10", 10, 3, 32, *DATA_STATS)  # 10 classes, 3 channels, 32 px
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -63,17 +66,7 @@ def cache_file(cache: Path, repo: str, filename: str, state: dict[str, torch.Ten
 
 def load(name: str = NAME, **options):
     """`name` for CIFAR-10 (10 classes, 3 channels, 32 px) without a weights file."""
-    return load_backbone(
-        name,
-        data="cifar10",
-        num_classes=10,
-        in_chans=3,
-        weights=None,
-        mean=DATA_STATS[0],
-        std=DATA_STATS[1],
-        image_size=32,
-        **options,
-    )
+    return load_backbone(BackboneConfig(name, **options), CIFAR10)
 
 
 class StandInDownload:
@@ -253,12 +246,12 @@ def test_data_normalization_overrides_a_weights_file_description(tmp_path, hub_c
     path.with_suffix(".json").write_text(
         '{"backbone": "resnet10_w4", "in_chans": 3, "image_size": 32, "mean": [0.1], "std": [0.2], "source": "x"}'
     )
-    options = {"data": "cifar10", "num_classes": 10, "in_chans": 3, "weights": str(path), "image_size": 32}
-    _, auto = load_backbone("resnet10_w4", mean=DATA_STATS[0], std=DATA_STATS[1], **options)
-    _, data = load_backbone("resnet10_w4", mean=DATA_STATS[0], std=DATA_STATS[1], normalization="data", **options)
+    backbone = BackboneConfig("resnet10_w4", weights=str(path))
+    _, auto = load_backbone(backbone, CIFAR10)
+    _, data = load_backbone(replace(backbone, normalization="data"), CIFAR10)
     assert (auto.mean, auto.std) == ((0.1,), (0.2,)) and (data.mean, data.std) == DATA_STATS
     with pytest.raises(ConfigError, match="unknown --normalization 'imagenet'"):
-        load_backbone("resnet10_w4", mean=DATA_STATS[0], std=DATA_STATS[1], normalization="imagenet", **options)
+        load_backbone(replace(backbone, normalization="imagenet"), CIFAR10)
 
 
 def test_names_without_published_weights_still_stop_without_weights(hub_cache, download):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from sklearn.metrics import roc_auc_score
 
 import peradapt.distill.kd as kd_module
-from peradapt.config import DistillConfig
+from peradapt.config import DataConfig, DistillConfig
 from peradapt.data import ImageSet, build_federation, fixed_splits, load_source
 from peradapt.data import chexpert as chexpert_module
 from peradapt.data import decode as decode_module
@@ -159,9 +159,8 @@ def test_office_home_layouts_and_mistakes(tmp_path: Path, office_home_dir: Path)
 
 @pytest.mark.usefixtures("cache_home")
 def test_domain_partition_gives_each_domain_to_one_client(office_home_dir: Path) -> None:
-    fed = build_federation(
-        "office-home", office_home_dir, num_clients=4, partition="domain", seed=0, kd_data="digits", image_size=8
-    )
+    data = DataConfig("office-home", office_home_dir, partition="domain", kd_data="digits", image_size=8)
+    fed = build_federation(data, num_clients=4, seed=0)
     source = load_source("office-home", office_home_dir, image_size=8)
     splits = fixed_splits("office-home", len(source.train), 0, limit_samples=None)
     assert not set(splits.pool) & set(splits.test) and not set(splits.val) & (set(splits.pool) | set(splits.test))
@@ -183,12 +182,11 @@ def test_domain_partition_gives_each_domain_to_one_client(office_home_dir: Path)
 @pytest.mark.usefixtures("cache_home")
 def test_domain_partition_mistakes(office_home_dir: Path) -> None:
     with pytest.raises(ConfigError, match="use --clients 4, not 3"):
-        build_federation("office-home", office_home_dir, num_clients=3, partition="domain", seed=0)
+        build_federation(DataConfig("office-home", office_home_dir, partition="domain"), num_clients=3, seed=0)
     with pytest.raises(ConfigError, match="fmnist has none"):
-        build_federation("fmnist", None, num_clients=4, partition="domain", seed=0)
-    pooled = build_federation(
-        "office-home", office_home_dir, num_clients=3, partition="dir:1", seed=0, kd_data="digits", image_size=8
-    )
+        build_federation(DataConfig("fmnist", partition="domain"), num_clients=4, seed=0)
+    data = DataConfig("office-home", office_home_dir, partition="dir:1", kd_data="digits", image_size=8)
+    pooled = build_federation(data, num_clients=3, seed=0)
     assert pooled.partition["histograms_of"] == "classes" and "groups" not in pooled.partition
     assert len(pooled.partition["clients"][0]["train_histogram"]) == 3
 
@@ -250,7 +248,9 @@ def test_chexpert_federation_partitions_meta_categories_of_the_whole_training_se
     monkeypatch.setattr(chexpert_module, "RARE_COMBINATION_IMAGES", 4)
     counts = Counter(tuple(row) for row in u_ones(records).astype(int).tolist())
     frequent = sorted(combination for combination, count in counts.items() if count >= 4)
-    fed = build_federation("chexpert", data, num_clients=3, partition="dir:0.5", seed=0, kd_data="digits", image_size=8)
+    fed = build_federation(
+        DataConfig("chexpert", data, partition="dir:0.5", kd_data="digits", image_size=8), num_clients=3, seed=0
+    )
     record = fed.partition
     assert record["histograms_of"] == "meta-categories" and len(record["groups"]) == len(frequent) + 1
     assert record["groups"][-1].startswith(f"other ({len(counts) - len(frequent)} combinations")
@@ -259,12 +259,11 @@ def test_chexpert_federation_partitions_meta_categories_of_the_whole_training_se
     assert len(fed.val) == 6 and record["test_size"] == 5  # 1/10 and 9/100 of train.csv's 60 rows
     pool_total = sum(sum(client["train_histogram"]) for client in record["clients"])
     assert pool_total == record["pool_size"] == 49
-    limited = build_federation(
-        "chexpert", data, num_clients=2, partition="iid", seed=0, kd_data="digits", image_size=8, limit_samples=10
-    )
+    limited_data = DataConfig("chexpert", data, partition="iid", kd_data="digits", limit_samples=10, image_size=8)
+    limited = build_federation(limited_data, num_clients=2, seed=0)
     assert limited.partition["groups"] == record["groups"]  # counted before --limit-samples
     with pytest.raises(DataError, match=r"--kd-data cifar10: .* --kd-data digits"):  # auto: the paper's CIFAR-10
-        build_federation("chexpert", data, num_clients=3, partition="iid", seed=0, image_size=8)
+        build_federation(DataConfig("chexpert", data, partition="iid", image_size=8), num_clients=3, seed=0)
 
 
 # ---------------------------------------------------------------- the decode cache

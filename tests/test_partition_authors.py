@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from peradapt.config import DataConfig
 from peradapt.data import (
     FederatedData,
     PartitionSpec,
@@ -185,9 +186,9 @@ def splits():
     return fixed_splits("fmnist", NUM_TRAIN, NUM_TEST, limit_samples=None)
 
 
-def federate(fmnist_dir: Path, partition: str, **options: Any) -> FederatedData:
-    settings = {"num_clients": 3, "seed": 0, **options}
-    return build_federation("fmnist", fmnist_dir, partition=partition, **settings)
+def federate(fmnist_dir: Path, partition: str, limit_samples: int | None = None, **options: Any) -> FederatedData:
+    data = DataConfig("fmnist", fmnist_dir, partition=partition, limit_samples=limit_samples)
+    return build_federation(data, **{"num_clients": 3, "seed": 0, **options})
 
 
 def assert_same_clients(first: FederatedData, second: FederatedData) -> None:

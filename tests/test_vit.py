@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from peradapt.adapters import BottleneckAdapterLayer, inject_adapters
-from peradapt.backbones import create_backbone, fixed_image_size, freeze, load_backbone
+from peradapt.backbones import DataFacts, create_backbone, fixed_image_size, freeze, load_backbone
 from peradapt.compute.trainer import InputPipeline, LocalTrainer
-from peradapt.config import MethodConfig
+from peradapt.config import BackboneConfig, MethodConfig
 from peradapt.errors import ConfigError
 from peradapt.federation.session import build_session
 from peradapt.methods import METHODS, MethodContext
@@ -66,9 +66,7 @@ def tiny_vit(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
 def hf_vit(hf_dir: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    backbone, _ = load_backbone(
-        f"hf:{hf_dir}", data="fmnist", num_classes=3, in_chans=1, weights=None, mean=(0.3,), std=(0.3,), image_size=32
-    )
+    backbone, _ = load_backbone(BackboneConfig(f"hf:{hf_dir}"), DataFacts("fmnist", 3, 1, 32, (0.3,), (0.3,)))
     return backbone, {k: v.clone() for k, v in backbone.state_dict().items()}
 
 
@@ -96,9 +94,8 @@ def test_tiny_vit_is_a_timm_vit_with_a_fixed_input_size():
 
 
 def test_a_vit_for_another_image_size_gets_its_position_embeddings_resampled(vit_weights):
-    model, info = load_backbone(
-        VIT, data="fmnist", num_classes=10, in_chans=1, weights=str(vit_weights), mean=(0.3,), std=(0.4,), image_size=28
-    )
+    facts = DataFacts("fmnist", 10, 1, 28, (0.3,), (0.4,))
+    model, info = load_backbone(BackboneConfig(VIT, weights=str(vit_weights)), facts)
     assert model.pos_embed.shape == (1, 1 + 7 * 7, WIDTH)
     assert model(inputs(2, size=28)).shape == (2, 10)
     saved = load_file(str(vit_weights))
@@ -182,9 +179,7 @@ def test_hf_backbone_comes_from_its_directory_with_its_own_normalization(hf_dir)
     from transformers import ViTForImageClassification
 
     saved = ViTForImageClassification.from_pretrained(str(hf_dir)).state_dict()
-    model, info = load_backbone(
-        f"hf:{hf_dir}", data="fmnist", num_classes=10, in_chans=1, weights=None, mean=(0.3,), std=(0.3,), image_size=32
-    )
+    model, info = load_backbone(BackboneConfig(f"hf:{hf_dir}"), DataFacts("fmnist", 10, 1, 32, (0.3,), (0.3,)))
     assert fixed_image_size(f"hf:{hf_dir}") == 32
     assert model.classifier.out_features == 10 and model.config.num_channels == 1
     assert not any(p.requires_grad for p in model.parameters())

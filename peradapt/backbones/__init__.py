@@ -65,7 +65,7 @@ from peradapt.backbones.hf import (
     is_hf,
 )
 from peradapt.backbones.small_inputs import use_small_input_convolutions
-from peradapt.config import NORMALIZATIONS
+from peradapt.config import NORMALIZATIONS, BackboneConfig
 from peradapt.errors import ConfigError, WeightsError, writing
 from peradapt.home import peradapt_home
 
@@ -146,6 +146,19 @@ class BackboneInfo:
 
     def save(self, weights_path: Path) -> None:
         weights_path.with_suffix(".json").write_text(json.dumps(asdict(self), indent=2))
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What `load_backbone` makes a backbone for: the dataset (whose name finds the weights `pretrain` stored for
+    it), its classes, channels and input size, and its statistics (the inputs' under `normalization="data"`)."""
+
+    dataset: str
+    num_classes: int
+    channels: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
 
 def fixed_image_size(name: str) -> int | None:
@@ -318,59 +331,40 @@ def _fit_position_embedding(model: nn.Module, own: dict[str, torch.Tensor], give
 
 
 def load_backbone(
-    name: str,
-    *,
-    data: str,
-    num_classes: int,
-    in_chans: int,
-    weights: str | None,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    image_size: int,
-    offline: bool = False,
-    normalization: str = "auto",
-    pretrainable: bool = False,
+    backbone: BackboneConfig, data: DataFacts, *, pretrainable: bool = False
 ) -> tuple[nn.Module, BackboneInfo]:
-    """A frozen backbone with a fresh `num_classes` head, made for `image_size` px, and where its weights came from.
+    """A frozen ``backbone.backbone`` with a fresh head for `data`'s classes, made for its image size, and where its
+    weights came from (``backbone.weights``, else as the module docstring says).
 
-    Published timm weights missing from the local cache are fetched unless `offline` (or `HF_HUB_OFFLINE=1`).
-    Inputs are normalized with `mean`/`std` (the data's statistics) under `normalization="data"`; under "auto" too,
-    unless the weights say otherwise: the JSON beside a weights file, the pretrained config of a ViT with published
-    weights (see `_own_normalization`), or timm's config of the published weights loaded. `pretrainable`: whether
-    `peradapt pretrain` can make weights for `data` (the advice when none are found says so).
+    Published timm weights missing from the local cache are fetched unless ``backbone.offline`` (or
+    `HF_HUB_OFFLINE=1`). Inputs are normalized with `data`'s mean and std under ``backbone.normalization`` "data";
+    under "auto" too, unless the weights say otherwise: the JSON beside a weights file, the pretrained config of a ViT
+    with published weights (see `_own_normalization`), or timm's config of the published weights loaded.
+    `pretrainable`: whether `peradapt pretrain` can make weights for the dataset (the advice when none are found
+    says so).
     """
-    if normalization not in NORMALIZATIONS:
-        raise ConfigError(f"unknown --normalization '{normalization}': use {', '.join(NORMALIZATIONS)}")
-    model, info = _pretrained_backbone(
-        name,
-        data=data,
-        num_classes=num_classes,
-        in_chans=in_chans,
-        weights=weights,
-        data_normalization=(mean, std),
-        image_size=image_size,
-        offline_by=_offline_by(offline),
-        pretrainable=pretrainable,
-    )
-    if normalization == "data":
-        info.mean, info.std = mean, std
+    if backbone.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"unknown --normalization '{backbone.normalization}': use {', '.join(NORMALIZATIONS)}")
+    offline_by = _offline_by(backbone.offline)
+    model, info = _pretrained_backbone(backbone.backbone, data, backbone.weights, offline_by, pretrainable)
+    if backbone.normalization == "data":
+        info.mean, info.std = data.mean, data.std
     return freeze(model), info
 
 
-def check_weights(
-    name: str, *, data: str, weights: str | None, offline: bool = False, pretrainable: bool = False
-) -> None:
+def check_weights(backbone: BackboneConfig, *, data: str, pretrainable: bool = False) -> None:
     """Refuse, without reading any weights or data, what `load_backbone` would refuse for want of weights: an
     unknown timm name, a missing --weights file, a timm backbone with no weights to be found (none stored by
     `pretrain`, none published, or published but neither cached nor to be fetched). Run before the data is loaded,
     which may take minutes."""
+    name, weights = backbone.backbone, backbone.weights
     if weights is not None:
         _check_weights_file(Path(weights))
     if is_hf(name):  # a Hugging Face model brings its own weights, found as it is created
         return
     _check_timm_name(name)
     if weights is None and not default_weights_path(data, name).is_file():
-        _published_weights(name, data, _offline_by(offline), pretrainable)
+        _published_weights(name, data, _offline_by(backbone.offline), pretrainable)
 
 
 def _offline_by(offline: bool) -> str | None:
@@ -380,38 +374,29 @@ def _offline_by(offline: bool) -> str | None:
 
 
 def _pretrained_backbone(
-    name: str,
-    *,
-    data: str,
-    num_classes: int,
-    in_chans: int,
-    weights: str | None,
-    data_normalization: tuple[tuple[float, ...], tuple[float, ...]],
-    image_size: int,
-    offline_by: str | None,
-    pretrainable: bool,
+    name: str, data: DataFacts, weights: str | None, offline_by: str | None, pretrainable: bool
 ) -> tuple[nn.Module, BackboneInfo]:
     """The backbone with the first weights that apply, in the module docstring's order, and their description;
     `offline_by` names the setting that forbids fetching weights, if any."""
-    stored = default_weights_path(data, name)
+    stored = default_weights_path(data.dataset, name)
     if weights is not None or (not is_hf(name) and stored.is_file()):
         path = Path(weights) if weights is not None else stored
-        model = create_backbone(name, num_classes, in_chans, image_size)
+        model = create_backbone(name, data.num_classes, data.channels, data.image_size)
         _load_into(model, read_weights(path), str(path))
-        normalization = _own_normalization(name) or data_normalization
-        info = _read_info(path) or BackboneInfo(name, in_chans, image_size, *normalization, str(path))
+        normalization = _own_normalization(name) or (data.mean, data.std)
+        info = _read_info(path) or BackboneInfo(name, data.channels, data.image_size, *normalization, str(path))
         info.source = str(path)
         return model, info
     if is_hf(name):
-        model = create_backbone(name, num_classes, in_chans, image_size)
+        model = create_backbone(name, data.num_classes, data.channels, data.image_size)
         source = str(hf_directory(name))
         _load_into(model, hf_pretrained_weights(name), source)
-        normalization = _own_normalization(name) or data_normalization
-        return model, BackboneInfo(name, in_chans, image_size, *normalization, source)
+        normalization = _own_normalization(name) or (data.mean, data.std)
+        return model, BackboneInfo(name, data.channels, data.image_size, *normalization, source)
     _check_timm_name(name)
-    config, cached = _published_weights(name, data, offline_by, pretrainable)
-    model, source = _published_backbone(name, config, cached, num_classes, in_chans, image_size)
-    return model, BackboneInfo(name, in_chans, image_size, tuple(config.mean), tuple(config.std), source)
+    config, cached = _published_weights(name, data.dataset, offline_by, pretrainable)
+    model, source = _published_backbone(name, config, cached, data)
+    return model, BackboneInfo(name, data.channels, data.image_size, tuple(config.mean), tuple(config.std), source)
 
 
 def _published_weights(
@@ -502,11 +487,11 @@ _NOT_PUBLISHED = (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundE
 
 
 def _published_backbone(
-    name: str, config: PretrainedCfg, cached: Path | None, num_classes: int, in_chans: int, image_size: int
+    name: str, config: PretrainedCfg, cached: Path | None, data: DataFacts
 ) -> tuple[nn.Module, str]:
     """timm's published weights for `name` (`config`) from the `cached` file, else fetched; and where they came
     from. timm adapts them: a fresh head, the stem summed for grayscale, a ViT's position embeddings resampled."""
-    arguments = {"num_classes": num_classes, "in_chans": in_chans, **_resized(name, image_size)}
+    arguments = {"num_classes": data.num_classes, "in_chans": data.channels, **_resized(name, data.image_size)}
     if cached is None:
         try:
             # timm fetches through huggingface_hub (torch hub for URLs) into the cache `_cached_weights_file` reads.

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from peradapt.data.partition import (
 from peradapt.data.sources import (
     SOURCE_NAMES,
     SOURCE_PATTERNS,
+    SourceSpec,
     is_source_name,
     load_source,
     normalization_statistics,
@@ -34,6 +35,9 @@ from peradapt.data.sources import (
 )
 from peradapt.errors import ConfigError, DataError
 from peradapt.seeds import VALIDATION, derive_seed
+
+if TYPE_CHECKING:
+    from peradapt.config import DataConfig
 
 # Fixed, and independent of --seed: `pretrain` and every `train --seed S` must agree on which training
 # images were pretrained on, so that those never reach a client.
@@ -217,53 +221,39 @@ def pretraining_split(
 
 
 def build_federation(
-    dataset: str,
-    data_dir: Path | str | None,
+    data: DataConfig,
     *,
     num_clients: int,
-    partition: str,
     seed: int,
-    kd_data: str = "auto",
-    limit_samples: int | None = None,
-    image_size: int | None = None,
-    download: bool = False,
     saved_partition: dict[str, Any] | None = None,
-    channels: int | None = None,
-    resize: str = "squeeze",
-    image_column: str | None = None,
-    label_column: str | None = None,
-    skip_bad_images: bool = False,
     normalization_constants: str = "exact",
-    validation_fraction: float | None = None,
 ) -> FederatedData:
-    """Load ``dataset`` and divide its client pool among ``num_clients`` clients.
+    """Load the dataset of ``data`` (a run's data section) and divide its client pool among ``num_clients`` clients.
 
-    ``image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
+    ``data.image_size`` is the model's input size (default: see ``load_source``). ``saved_partition`` (a previous
     ``FederatedData.partition``) is reused instead of partitioning anew; so is a ``file:PATH`` partition's file:
-    peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`). ``image_column`` and
-    ``label_column`` choose the columns of an ``hf:`` dataset (None: detected); ``skip_bad_images`` leaves out
-    the undecodable images of imagefolder and hf data (and of such --kd-data) before the fixed split.
+    peradapt's own partition.json, or the PerAda authors' layout (see `_authors_record`). ``data.skip_bad_images``
+    leaves out the undecodable images of imagefolder and hf data (and of such --kd-data) before the fixed split.
     ``normalization_constants``: the statistics of both sources, exact or the authors' (`normalization_statistics`).
-    ``validation_fraction`` (``--eval-split validation``): each client's test split is instead that share of its
+    Under ``data.eval_split`` validation, each client's test split is instead a ``data.validation_fraction`` of its
     training images, held out of its training (`_validation_clients`), and the global test set their union; the
     partition (and partition.json) is the one the test split gives, so trials tuned on it and the final runs share
     their clients, and no test image reaches the model.
 
     Image files (imagefolder, hf) are counted and labeled first, so that every check that needs no pixels (the
     pool's size against --clients, a given partition's sizes and indices) comes before decoding, and with
-    ``limit_samples`` only the images the run uses are decoded (`_decode_used`): the split is the same either way.
+    ``data.limit_samples`` only the images the run uses are decoded (`_decode_used`): the split is the same either way.
     """
-    spec = parse_partition(partition)
+    dataset, limit_samples, spec = data.data, data.limit_samples, parse_partition(data.partition)
     _check_limit(limit_samples)
     if num_clients < 1:
         raise ConfigError(f"--clients must be at least 1, got {num_clients}")
-    kd_source = _kd_source_name(dataset, kd_data)
+    kd_source = _kd_source_name(dataset, data.kd_data)
     if spec.kind == "domain":
         _check_domain_clients(dataset, num_clients)
     given = _given_partition(spec, saved_partition, num_clients, limit_samples)  # checked before the slow loading
     layout = _FIXED_SPLIT if given is None else _layout(given.record)
-    options = {"channels": channels, "resize": resize, "image_column": image_column, "label_column": label_column}
-    scanned = scan_source(dataset, data_dir, download, image_size, skip_bad=skip_bad_images, **options)
+    scanned = scan_source(SourceSpec.of(data))
     splits = fixed_splits(dataset, scanned.num_train, scanned.num_test, limit_samples=limit_samples)
     pool_size, test_size = _client_set_sizes(scanned, splits, layout)
     if pool_size < num_clients:
@@ -283,7 +273,7 @@ def build_federation(
             _check_filled(parts, given.origin.name, given.origin.remedy)
     own_kd = kd_source == dataset and "kd" in _split_shares(dataset)
     source, splits = _decode_used(scanned, splits, own_kd=own_kd, limited=limit_samples is not None)
-    image_size = image_size or source.train.images.shape[-1]
+    image_size = data.image_size or source.train.images.shape[-1]
     pool, test, pool_rows, test_rows = _client_sets(source, splits, layout)
     groups = _partition_groups(source, spec, pool_rows, test_rows, pool, test)
     if given is None:
@@ -308,13 +298,10 @@ def build_federation(
         "clients": [_client_record(client, groups.pool, groups.test, groups.count) for client in clients],
     }
     global_test = test.subset(np.sort(np.concatenate(parts.test)))
-    if validation_fraction is not None:
-        clients = _validation_clients(clients, pool, validation_fraction, seed)
+    if data.eval_split == "validation":
+        clients = _validation_clients(clients, pool, data.validation_fraction, seed)
         global_test = pool.subset(np.sort(np.concatenate([client.test_indices for client in clients])))
-    kd_options = {"download": download, "limit_samples": limit_samples, "skip_bad_images": skip_bad_images}
-    kd, kd_mean, kd_std = _kd_images(
-        kd_source, source, image_size, splits, data_dir, constants=normalization_constants, **kd_options
-    )
+    kd, kd_mean, kd_std = _kd_images(kd_source, source, image_size, splits, data, normalization_constants)
     mean, std = normalization_statistics(source, normalization_constants)
     return FederatedData(
         dataset=dataset,
@@ -507,31 +494,23 @@ def _kd_source_name(dataset: str, kd_data: str) -> str:
 
 
 def _kd_images(
-    kd_source: str,
-    source: SourceData,
-    image_size: int,
-    splits: FixedSplits,
-    data_dir: Path | str | None,
-    *,
-    download: bool,
-    limit_samples: int | None,
-    skip_bad_images: bool,
-    constants: str,
+    kd_source: str, source: SourceData, image_size: int, splits: FixedSplits, data: DataConfig, constants: str
 ) -> tuple[ImageSet, tuple[float, ...], tuple[float, ...]]:
     """The unlabeled distillation images, stored for ``image_size`` with the clients' channels, and the mean and
     std of their own source for those channels, exact or the authors' (``constants``: `normalization_statistics`):
     the source's own KD split, or another source's unlabeled data (`scan_unlabeled`: STL-10's unlabeled split, the
-    training images of the others; of image files only the ``limit_samples`` drawn are decoded)."""
+    training images of the others, from ``data``'s --data-dir; of image files only the --limit-samples drawn are
+    decoded)."""
     if kd_source == source.name and "kd" in _split_shares(source.name):
         kd_source_data, images = source, source.train.images[splits.kd]
     else:
         try:
             # imagefolder:PATH and hf:NAME are decoded at the model's size; arrays are resized below.
             size = image_size if source_kind(kd_source) != kd_source else None
-            scanned = scan_unlabeled(kd_source, data_dir, download, size, skip_bad=skip_bad_images)
+            scanned = scan_unlabeled(kd_source, data.data_dir, data.download, size, skip_bad=data.skip_bad_images)
             order = np.random.default_rng([SPLIT_SEED, _KD_STREAM]).permutation(scanned.num_train)
-            chosen = _head_sorted(order, limit_samples)
-            if scanned.by_rows and limit_samples is not None:
+            chosen = _head_sorted(order, data.limit_samples)
+            if scanned.by_rows and data.limit_samples is not None:
                 kd_source_data = scanned.decode(Rows(train=chosen))
                 images = kd_source_data.train.images
             else:

@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ from peradapt.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from torchvision.datasets import CIFAR10
+
+    from peradapt.config import DataConfig
 
 # Where Debian's dataset-fashion-mnist package installs the IDX files (module-level so tests can redirect it).
 DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -58,23 +60,37 @@ FMNIST_CLASSES = (
 )
 
 
+@dataclass(frozen=True)
+class SourceSpec:
+    """A source as `load_source` reads it (see there): its name, where its files are, how its images are stored."""
+
+    name: str
+    data_dir: Path | str | None = None
+    download: bool = False
+    image_size: int | None = None
+    channels: int | None = None
+    resize: str = "squeeze"
+    image_column: str | None = None
+    label_column: str | None = None
+    skip_bad: bool = False
+
+    @classmethod
+    def of(cls, data: DataConfig) -> SourceSpec:
+        """The source of a run's data section (--data, --data-dir, --image-size, --channels, ...)."""
+        options = {"channels": data.channels, "resize": data.resize, "skip_bad": data.skip_bad_images}
+        columns = {"image_column": data.image_column, "label_column": data.label_column}
+        return cls(data.data, data.data_dir, data.download, data.image_size, **options, **columns)
+
+
 def load_source(
-    name: str,
-    data_dir: Path | str | None,
-    download: bool = False,
-    image_size: int | None = None,
-    *,
-    channels: int | None = None,
-    resize: str = "squeeze",
-    image_column: str | None = None,
-    label_column: str | None = None,
-    skip_bad: bool = False,
+    name: str, data_dir: Path | str | None, download: bool = False, image_size: int | None = None, **options: Any
 ) -> SourceData:
     """Load the source called ``name`` (one of ``SOURCE_NAMES``, or ``imagefolder:PATH`` or ``hf:NAME``: see
     SOURCE_PATTERNS), its images stored for a model of ``image_size`` px if given: image files decoded at that
     size, arrays larger than it resized, smaller ones kept (see `fit_images`). Without ``image_size``, arrays keep
     their native size and image files are decoded at DECODED_IMAGE_SIZE (imagefolder and hf: see their modules).
-    ``image_column`` and ``label_column`` choose an ``hf:`` dataset's columns (None: detected).
+    ``options`` are the other fields of `SourceSpec`: ``image_column`` and ``label_column`` choose an ``hf:``
+    dataset's columns (None: detected).
 
     ``channels`` (None: the dataset's own) converts grey to RGB by repetition and RGB to grey by luma, with the
     normalization statistics to match (`channel_statistics`: ImageNet's per channel for Office-Home and CheXpert,
@@ -83,47 +99,36 @@ def load_source(
     `peradapt.data.decode`). Arrays are square already, so it leaves them alone. ``skip_bad``: imagefolder and hf
     leave their undecodable images out (``--skip-bad-images``).
     """
-    options = {"channels": channels, "resize": resize, "image_column": image_column, "label_column": label_column}
-    return scan_source(name, data_dir, download, image_size, skip_bad=skip_bad, **options).decode(Rows())
+    return scan_source(SourceSpec(name, data_dir, download, image_size, **options)).decode(Rows())
 
 
-def scan_source(
-    name: str,
-    data_dir: Path | str | None,
-    download: bool = False,
-    image_size: int | None = None,
-    *,
-    channels: int | None = None,
-    resize: str = "squeeze",
-    image_column: str | None = None,
-    label_column: str | None = None,
-    skip_bad: bool = False,
-) -> ScannedSource:
+def scan_source(spec: SourceSpec) -> ScannedSource:
     """The source of `load_source` before decoding: imagefolder and hf are listed, labeled and counted, to decode
     the rows asked for; the others are loaded whole."""
+    name, image_size, channels, resize = spec.name, spec.image_size, spec.channels, spec.resize
     if resize not in RESIZES:
         raise ConfigError(f"unknown resize {resize!r}: use {' or '.join(RESIZES)}")
     kind = source_kind(name)
     if kind == "hf":
-        options = {"channels": channels, "resize": resize, "skip_bad": skip_bad}
-        columns = {"image_col": image_column, "label_col": label_column}
+        options = {"channels": channels, "resize": resize, "skip_bad": spec.skip_bad}
+        columns = {"image_col": spec.image_column, "label_col": spec.label_column}
         return hfdata.scan_hf(name, image_size, DECODED_IMAGE_SIZE, **options, **columns)
-    if image_column is not None or label_column is not None:
+    if spec.image_column is not None or spec.label_column is not None:
         raise ConfigError(f"--image-column and --label-column choose the columns of an hf: dataset, not of {name}")
     if kind == "imagefolder":
         return folders.scan_image_folder(
-            name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize, skip_bad=skip_bad
+            name, image_size, DECODED_IMAGE_SIZE, channels=channels, resize=resize, skip_bad=spec.skip_bad
         )
-    path = None if data_dir is None else Path(data_dir)
+    path = None if spec.data_dir is None else Path(spec.data_dir)
     if path is not None and name in _FROM_FILES:
-        _check_data_dir(name, path, download=download and name in _LOADERS)
+        _check_data_dir(name, path, download=spec.download and name in _LOADERS)
     decoder = _DECODED.get(name)
     if decoder is not None:
         return _whole(decoder(path, image_size or DECODED_IMAGE_SIZE, channels=channels, resize=resize))
     loader = _LOADERS.get(name)
     if loader is None:
         raise ConfigError(f"unknown dataset {name!r}: use one of {', '.join(SOURCE_NAMES + SOURCE_PATTERNS)}")
-    source = loader(path, download)
+    source = loader(path, spec.download)
     return _whole(source if image_size is None and channels is None else source.fitted(image_size, channels))
 
 
@@ -157,7 +162,7 @@ def scan_unlabeled(
         if path is not None:
             _check_data_dir(name, path, download=download)
         return _whole(load_stl10_unlabeled(path, download))
-    return scan_source(name, data_dir, download)
+    return scan_source(SourceSpec(name, data_dir, download))
 
 
 def _whole(source: SourceData) -> ScannedSource:

@@ -19,6 +19,7 @@ import torch
 from peradapt.adapters import AdaptedModel, AdapterState, default_adapter_kind, inject_adapters
 from peradapt.backbones import (
     BackboneInfo,
+    DataFacts,
     check_input_sizes,
     check_weights,
     fixed_image_size,
@@ -166,56 +167,27 @@ def build_session(
             f"pass a number, or use one of {proximal}"
         )
     check_input_sizes(config.backbone.backbone, config.data.image_size, config.distill.kd_image_size)
-    weights_file = str(weights) if weights is not None else config.backbone.weights
+    backbone_section = config.backbone if weights is None else replace(config.backbone, weights=str(weights))
     pretrainable = has_pretraining_split(config.data.data)
     # Every check that needs no images is made before the data is loaded, which may take minutes to decode.
-    check_weights(
-        config.backbone.backbone,
-        data=config.data.data,
-        weights=weights_file,
-        offline=config.backbone.offline,
-        pretrainable=pretrainable,
-    )
+    check_weights(backbone_section, data=config.data.data, pretrainable=pretrainable)
     # A ViT takes the resolution it was made for; ResNets take any (None: the dataset's own default).
     # A saved run keeps the size it was trained at, whatever a later peradapt would choose for the same images.
     image_size = config.data.image_size or recorded_image_size or fixed_image_size(config.backbone.backbone)
     data = build_federation(
-        config.data.data,
-        config.data.data_dir,
+        replace(config.data, image_size=image_size),
         num_clients=config.federation.clients,
-        partition=config.data.partition,
         seed=config.seed,
-        kd_data=config.data.kd_data,
-        limit_samples=config.data.limit_samples,
-        image_size=image_size,
-        download=config.data.download,
         saved_partition=saved_partition,
-        channels=config.data.channels,
-        resize=config.data.resize,
-        image_column=config.data.image_column,
-        label_column=config.data.label_column,
-        skip_bad_images=config.data.skip_bad_images,
         normalization_constants=config.backbone.normalization_constants,
-        validation_fraction=config.data.validation_fraction if config.data.eval_split == "validation" else None,
     )
     device = resolve_device(config.device)
     if device.type == "cuda":  # the memory the user allows this run (--concurrent-clients auto fills it)
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(config.federation.gpu_memory_fraction, index)
     torch.manual_seed(config.seed)  # the new classifier head and the adapters' initial values
-    backbone, info = load_backbone(
-        config.backbone.backbone,
-        data=config.data.data,
-        num_classes=data.num_classes,
-        in_chans=data.channels,
-        weights=weights_file,
-        mean=data.mean,
-        std=data.std,
-        image_size=data.image_size,
-        offline=config.backbone.offline,
-        normalization=config.backbone.normalization,
-        pretrainable=pretrainable,
-    )
+    facts = DataFacts(data.dataset, data.num_classes, data.channels, data.image_size, data.mean, data.std)
+    backbone, info = load_backbone(backbone_section, facts, pretrainable=pretrainable)
     fingerprint = weights_fingerprint(backbone, info)
     if backbone_sha256 is not None and fingerprint != backbone_sha256:
         raise WeightsError(
