@@ -5,7 +5,7 @@ The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`
 `peft.PeftModel.from_pretrained` and the narrow ResNets (`resnet18_w16`, ...) with `timm.create_model`: the residual
 adapter is registered with PEFT, and those backbones with timm, when PEFT and timm are imported (before or after
 peradapt; wrapt's post-import hooks). The built-in methods are registered when the method registry is first read,
-so that a config knows their settings (`peradapt.config.METHODS`). A method of one's own subclasses `Method` or
+so that a config knows their settings (`peradapt.registry.METHODS`). A method of one's own subclasses `Method` or
 `LocalSGDMethod`, or a built-in method (`method_class("fedavg")`), and runs as `--method module:Class`
 (docs/ADDING_A_METHOD.md).
 

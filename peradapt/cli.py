@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from peradapt import api
-from peradapt.config import COMPARE_SETS, METHODS, listed_settings, search_space
+from peradapt.config import COMPARE_SETS, listed_settings, search_space
 from peradapt.errors import INTERRUPTED_BEFORE_WRITING, Interrupted, PeradaptError, interrupts_raise
 from peradapt.options import (
     CommandOptions,
@@ -32,6 +32,7 @@ from peradapt.options import (
     TrainOptions,
 )
 from peradapt.progress import counted, text_console
+from peradapt.registry import METHODS
 from peradapt.settings import Setting, declared_settings
 
 try:  # what a command-line mistake raises: Typer >= 0.26 vendors click and raises its own exceptions

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "peradapt"
 # package `peradapt` (the public facade: `peradapt.train`, ...) sits on top of everything.
 LAYERS = [
     ["errors", "home", "imports", "progress", "seeds"],
-    ["settings"],
+    ["settings", "registry"],
     ["config"],
     ["presets"],
     ["options"],

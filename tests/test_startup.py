@@ -17,7 +17,7 @@ import torch
 import peradapt
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone, freeze
-from peradapt.config import BUILT_IN, METHODS
+from peradapt.registry import BUILT_IN, METHODS
 
 # What no help text or method listing needs: the model stacks (PEFT imports transformers and torchvision), and the
 # extras that single commands import where they use them.
@@ -81,7 +81,8 @@ def test_the_registry_knows_every_built_in_method_when_first_read():
     out = run_python(
         """
         import json, sys
-        from peradapt.config import METHODS, find_setting
+        from peradapt.config import find_setting
+        from peradapt.registry import METHODS
 
         assert "peradapt.methods" not in sys.modules
         print(json.dumps([sorted(METHODS), find_setting("feddyn_alpha").flag_name]))

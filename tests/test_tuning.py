@@ -17,8 +17,9 @@ import optuna
 import pytest
 
 import peradapt.tuning as tuning
-from peradapt.config import _SHARED, METHODS, search_space
+from peradapt.config import _SHARED, search_space
 from peradapt.errors import ConfigError
+from peradapt.registry import METHODS
 from peradapt.settings import Search, declared_settings, setting
 
 from .conftest import settings

@@ -20,7 +20,6 @@ from peradapt.methods import plugins as _plugins  # noqa: F401  (finds methods f
 from peradapt.methods import scaffold as _scaffold  # noqa: F401  (registers scaffold)
 from peradapt.methods import standalone as _standalone  # noqa: F401  (registers standalone)
 from peradapt.methods.base import (
-    METHODS,
     ClientUpdate,
     LocalSGDMethod,
     Method,
@@ -30,6 +29,7 @@ from peradapt.methods.base import (
     method_class,
     register,
 )
+from peradapt.registry import METHODS  # the registry, re-exported for code that registers and looks up methods
 
 __all__ = [
     "METHODS",

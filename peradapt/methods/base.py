@@ -19,11 +19,11 @@ import torch
 from peradapt.adapters import AdapterState, average_states
 from peradapt.compute.costs import ClientWork, sgd_samples
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
-from peradapt.config import BUILT_IN, MethodConfig, MethodRegistry, check_method_settings
-from peradapt.config import METHODS as REGISTRY
+from peradapt.config import MethodConfig, check_method_settings
 from peradapt.data import ClientData
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError
+from peradapt.registry import BUILT_IN, METHODS
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import LOCAL, PERSONAL, derive_seed
 from peradapt.settings import NoSettings, Search, validate_settings
@@ -303,9 +303,6 @@ class ProximalPersonalization(LocalSGDMethod):
         )
         self.store.put(client.client_id, PERSONAL_KEY, personal)
         return personal, loss
-
-
-METHODS: MethodRegistry = REGISTRY  # the one registry, kept where the config reads methods' settings
 
 
 def register(cls: type[Method]) -> type[Method]:

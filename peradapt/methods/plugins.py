@@ -1,7 +1,7 @@
 """Methods from outside peradapt: `--method module:Class`, and entry points of group `peradapt.methods`.
 
 A plugin is a `Method` subclass in a module of its own (docs/ADDING_A_METHOD.md). The registry
-(`peradapt.config.METHODS`) asks the finder installed here for a name it does not know, and for the installed
+(`peradapt.registry.METHODS`) asks the finder installed here for a name it does not know, and for the installed
 packages' methods whenever it is listed; a plugin found is checked (a concrete `Method` subclass with a summary,
 settings that clash with no other method's) and registered under the name it was asked by, which stays its
 `--method` name in config.json, reports and model cards. A run's config.json names its plugin, so `--resume`,
@@ -15,9 +15,10 @@ import inspect
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
-from peradapt.config import BUILT_IN, check_method_settings
+from peradapt.config import check_method_settings
 from peradapt.errors import PluginError
-from peradapt.methods.base import METHODS, Method
+from peradapt.methods.base import Method
+from peradapt.registry import BUILT_IN, METHODS
 
 ENTRY_POINT_GROUP = "peradapt.methods"
 HOW_TO = "docs/ADDING_A_METHOD.md"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from peradapt.config import METHODS, TrainConfig
+from peradapt.config import TrainConfig
+from peradapt.registry import METHODS
 from peradapt.errors import ConfigError, PluginError, RunError
 from peradapt.progress import counted
 from peradapt.rundir.files import PARTITION, REPORT, RESOLVED, check, damaged, read_json
