@@ -41,6 +41,7 @@ from peradapt.options import (
     TrainOptions,
 )
 from peradapt.progress import text_console
+from peradapt.rundir.records import Report
 
 PathLike = str | Path
 
@@ -85,8 +86,9 @@ def train(
     quiet: bool = False,
     console: Console | None = None,
     **values: Any,
-) -> dict:
-    """Train a federation (or continue one: `resume=True, out=RUN`) into its run directory; returns `report.json`.
+) -> Report | dict:
+    """Train a federation (or continue one: `resume=True, out=RUN`) into its run directory; returns its report
+    (`peradapt.rundir.records.Report`, as written to report.json).
 
     `config`: a whole `TrainConfig` (`values` may then say `resume` or `dry_run`), or the `train` command's options
     (`TrainOptions`: resume, preset, config, dry_run) with `values` the settings; else `values` are both (see

@@ -241,19 +241,16 @@ def train(options: TrainOptions, **settings: Any) -> None:
     report = api.train(train_config, resume=options.resume, console=err_console)
     from peradapt.evaluation import cost_summary, results_table
 
-    clients, rounds = counted(len(report["clients"]), "client"), counted(report["rounds"], "round")
-    title = f"{report['method']} on {report['data']}, {clients}, {rounds}"
-    if report["eval_split"] == "validation":
+    clients, rounds = counted(len(report.clients), "client"), counted(report.rounds, "round")
+    title = f"{report.method} on {report.data}, {clients}, {rounds}"
+    if report.eval_split == "validation":
         title += SCORED_ON_VALIDATION
-    if "privacy" in report:  # as the paper's Table 5: the clients' mean ε ± std
-        privacy = report["privacy"]
-        title += (
-            f", DP ε = {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} (δ = {privacy['delta']:g})"
-        )
-    selected = report["selected_on_test"]
-    out_console.print(results_table(report["summary"], title, report["metric"], selected, report["eval_split"]))
-    if "cost" in report:  # not for a run resumed from rounds recorded before costs were
-        out_console.print(cost_summary(report["cost"]), soft_wrap=True)
+    if report.privacy is not None:  # as the paper's Table 5: the clients' mean ε ± std
+        epsilon = report.privacy.epsilon
+        title += f", DP ε = {epsilon.mean:.2f} ± {epsilon.std:.2f} (δ = {report.privacy.delta:g})"
+    selected = report.selected_on_test
+    out_console.print(results_table(report.summary, title, report.metric, selected, report.eval_split))
+    out_console.print(cost_summary(report.cost), soft_wrap=True)
     out_console.print(f"run directory: {train_config.out}", soft_wrap=True)
 
 
@@ -360,10 +357,10 @@ def info(options: InfoOptions) -> None:
 
     config, resolved = read_run_config(run)
     partition = read_partition(run)
-    finished = read_report(run) or {}  # every file is checked before anything is printed
+    finished = read_report(run)  # every file is checked before anything is printed
     out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
-    privacy = finished.get("privacy")  # --dp-noise: each client's ε, known once the run has finished
-    epsilons = dict(zip(finished["clients"], privacy["epsilon"]["per_client"], strict=True)) if privacy else {}
+    privacy = finished and finished.privacy  # --dp-noise: each client's ε, known once the run has finished
+    epsilons = dict(zip(finished.clients, privacy.epsilon.per_client, strict=True)) if privacy else {}
     table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
     histogram_column = f"train histogram of {partition.get('histograms_of', 'classes')}"
     for column in ("client", "train", "test", *(["ε"] if privacy else []), histogram_column):
@@ -393,18 +390,18 @@ def info(options: InfoOptions) -> None:
     if "client_store" in resolved:
         where = f" ({run / 'client_store'})" if resolved["client_store"] == "disk" else ", in the checkpoints"
         out_console.print(f"client state: {resolved['client_store']}{where}", soft_wrap=True)
-    counts = finished.get("cost", {}).get("parameters")  # the columns of the PerAda paper's Table 1, measured
-    if counts:
+    if finished:  # the columns of the PerAda paper's Table 1, measured
+        counts = finished.cost.parameters
         out_console.print(
-            f"per client: {counts['personalized']:,} personalized, {counts['trained']:,} trained, "
-            f"{counts['communicated']:,} communicated elements",
+            f"per client: {counts.personalized:,} personalized, {counts.trained:,} trained, "
+            f"{counts.communicated:,} communicated elements",
             soft_wrap=True,
         )
     if config.privacy.enabled:
         dp = config.privacy
         spent = (
-            f"ε per client {privacy['epsilon']['mean']:.2f} ± {privacy['epsilon']['std']:.2f} on average, "
-            f"{privacy['epsilon']['max']:.2f} at most ({privacy['accountant']} accountant)"
+            f"ε per client {privacy.epsilon.mean:.2f} ± {privacy.epsilon.std:.2f} on average, "
+            f"{privacy.epsilon.max:.2f} at most ({privacy.accountant} accountant)"
             if privacy
             else "ε per client in report.json once the run has finished"
         )

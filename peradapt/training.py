@@ -11,9 +11,10 @@ from rich.console import Console
 from peradapt.config import TrainConfig
 from peradapt.federation import engine
 from peradapt.progress import text_console
+from peradapt.rundir.records import Report
 
 
-def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Report:
     """Run (or continue, `resume`) the federation of `config`; returns the report also written to `report.json`."""
     console = console or text_console(stderr=True)
     if config.federation.engine != "flower":

@@ -380,11 +380,11 @@ def _stage(config: TrainConfig, console: Console) -> float:
     before its worker died) read."""
     run_dir, rounds = Path(str(config.out)), config.federation.rounds
     if not RunPaths(run_dir).config.exists():
-        return train(config, console=console)["summary"][OBJECTIVE]
+        return train(config, console=console).summary[OBJECTIVE]
     report = read_report(run_dir)
     if report is not None and resume_config(run_dir, {}).federation.rounds == rounds:
-        return report["summary"][OBJECTIVE]
-    return train(resume_config(run_dir, {"rounds": rounds}), resume=True, console=console)["summary"][OBJECTIVE]
+        return report.summary[OBJECTIVE]
+    return train(resume_config(run_dir, {"rounds": rounds}), resume=True, console=console).summary[OBJECTIVE]
 
 
 def _progress(console: Console) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:

@@ -27,7 +27,7 @@ def settings_of(args: list[str]) -> dict:
 def test_train_evaluate_export_as_the_commands_do(finished_run, tmp_path, fmnist_dir, capsys, monkeypatch, home):  # noqa: F811
     run = tmp_path / "api"
     report = peradapt.train(**settings_of(tiny_args(fmnist_dir, run)), quiet=True)
-    assert report == json.loads((run / "report.json").read_text())
+    assert report.to_json() == json.loads((run / "report.json").read_text())
     assert results(run) == results(finished_run)  # the command line's run, file for file
 
     evaluation = peradapt.evaluate(run)
@@ -50,7 +50,7 @@ def test_a_train_config_or_settings_and_resume(tmp_path, fmnist_dir, home):
         peradapt.train(config, rounds=2)
     peradapt.train(config, quiet=True)
     report = peradapt.train(resume=True, out=tmp_path / "r", rounds=2, quiet=True)  # one more round
-    assert report["rounds"] == 2
+    assert report.rounds == 2
     with pytest.raises(RunError, match="lr"):
         peradapt.training_config(resume=True, out=str(tmp_path / "r"), lr=0.5)
 

@@ -24,7 +24,7 @@ from peradapt.evaluation.plots import plot_accuracy_vs_cost
 from peradapt.evaluation.report import cost_summary
 from peradapt.federation.session import build_session
 from peradapt.federation.tracking import numeric
-from peradapt.rundir.layout import read_partition, read_run_config
+from peradapt.rundir.layout import read_partition, read_report, read_run_config
 
 from .test_cli import crash_after_round, expect_refusal, results, run_cli, run_main, tiny_args
 
@@ -249,8 +249,8 @@ def test_distillation_is_counted_in_samples_and_flops(runs, home):
         )
     assert cost["server_flops"] == sum(r["cost"]["server_flops"] for r in records(runs["perada"])) > 0
     assert all(r["cost"]["server_flops"] == 0 for r in records(runs["fedavg"]))
-    assert f"server {cost['server_samples']:,} distillation samples" in cost_summary(cost)
-    assert "distillation samples" not in cost_summary(report(runs["fedavg"])["cost"])
+    assert f"server {cost['server_samples']:,} distillation samples" in cost_summary(read_report(runs["perada"]).cost)
+    assert "distillation samples" not in cost_summary(read_report(runs["fedavg"]).cost)
 
 
 def test_fine_tuning_at_evaluation_is_counted(runs, home):
@@ -396,6 +396,6 @@ def test_a_runs_peak_memory_is_its_own_not_the_processs(tmp_path, fmnist_dir, ho
     spiked = peak_memory(torch.device("cpu"))["peak_rss_bytes"]
     del spike
     second = train(TrainConfig.from_flat(settings(fmnist_dir, tmp_path / "two")), console=quiet)
-    peaks = [run["cost"]["timing"]["peak_rss_bytes"] for run in (first, second)]
+    peaks = [run.cost.timing.peak_rss_bytes for run in (first, second)]
     assert spiked > peaks[0] + 2**30, (peaks, spiked)  # the spike counted while it lasted
     assert 0 < peaks[1] < spiked - 2**30, (peaks, spiked)

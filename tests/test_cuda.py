@@ -102,7 +102,7 @@ def test_flower_simulation_gives_its_clients_the_gpu(tmp_path, fmnist_dir, home)
 
     values = settings(fmnist_dir, tmp_path / "flower", engine="flower", device=DEVICE, rounds=1)
     report = training.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
-    assert report["rounds"] == 1
+    assert report.rounds == 1
     resolved = json.loads((tmp_path / "flower" / "config.json").read_text())["resolved"]
     assert resolved["device"].startswith(DEVICE)
 

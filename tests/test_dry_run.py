@@ -70,7 +70,7 @@ def test_dry_run_counts_what_the_run_then_trains(tmp_path, fmnist_dir, capsys, m
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [record["clients"] for record in records] == [sample_clients(0, r, 4, 2) for r in range(3)]
     assert row["client_samples"] == sum(record["cost"]["client_samples"] for record in records) > 0
-    assert row["rounds"] == report["rounds"] == 3 and row["distillation_steps"] == 3 * 4
+    assert row["rounds"] == report.rounds == 3 and row["distillation_steps"] == 3 * 4
 
 
 def test_compare_dry_run_counts_trials_and_seeds_and_writes_nothing(tmp_path, fmnist_dir, capsys, monkeypatch, home):

@@ -55,8 +55,8 @@ def test_a_validation_run_never_feeds_a_test_image_to_the_model(
     seen = white_images_seen(monkeypatch)
     report = train(TrainConfig.from_flat(settings(marked_dir, tmp_path / "validation", eval_split="validation")))
     assert seen and sum(seen) == 0
-    assert 0 <= report["summary"]["personalized_local_test"] <= 1
-    assert report["eval_split"] == "validation"  # what its "test" scores are on, for whoever reads the report
+    assert 0 <= report.summary["personalized_local_test"] <= 1
+    assert report.eval_split == "validation"  # what its "test" scores are on, for whoever reads the report
     # The marker works: the same run scored on the test split feeds the white images to the model.
     train(TrainConfig.from_flat(settings(marked_dir, tmp_path / "test", rounds=1)))
     assert sum(seen) > 0

@@ -20,7 +20,7 @@ from huggingface_hub.utils import filter_repo_objects
 
 import peradapt.commands.share as share
 from peradapt.federation.session import build_session
-from peradapt.rundir.layout import read_partition, read_run_config
+from peradapt.rundir.layout import read_partition, read_report, read_run_config
 
 from .test_cli import expect_refusal, run_cli, run_main, snapshot, tiny_args
 from .test_dp import dp_args
@@ -398,7 +398,7 @@ def test_hub_backbones_are_the_base_model(backbone, kind, weights, base_model, l
     config.backbone.backbone = backbone
     config.backbone.weights = weights if weights.startswith("/weights") else None
     resolved = {**resolved, "adapter": kind, "weights": weights}
-    cards = RunCards(config, resolved, report_of(run))
+    cards = RunCards(config, resolved, read_report(run))
     metadata, body = card_text(cards.adapter(0))
     assert metadata.get("base_model") == base_model and metadata.get("license") == license_
     assert metadata["library_name"] == "peft"

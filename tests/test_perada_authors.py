@@ -287,8 +287,8 @@ def test_selection_on_test_takes_each_clients_best_round():
     ]
     final = {"clients": [0, 1], "personalized": {"local_test": [0.7, 0.85]}, "global": {"global_test": 0.6}}
     selected = select_on_test(history, 6, final)
-    assert selected["personalized_local_test"]["per_client"] == [0.8, 0.9]
-    assert selected["personalized_local_test"]["rounds"] == [4, 2]
-    assert selected["personalized_local_test"]["mean"] == pytest.approx(0.85)
-    assert selected["global_global_test"] == {"value": 0.7, "round": 4}
-    assert selected["rounds_evaluated"] == [2, 4, 6]
+    assert selected.personalized_local_test.per_client == [0.8, 0.9]
+    assert selected.personalized_local_test.rounds == [4, 2]
+    assert selected.personalized_local_test.mean == pytest.approx(0.85)
+    assert selected.global_global_test.to_json() == {"value": 0.7, "round": 4}
+    assert selected.rounds_evaluated == [2, 4, 6]

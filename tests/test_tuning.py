@@ -12,6 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -166,7 +167,7 @@ def test_a_second_call_trains_nothing_and_returns_the_same_best(tuned, fmnist_di
 
 def test_other_fixed_settings_are_another_study(tuned, fmnist_dir, monkeypatch, home):
     result, out = tuned
-    monkeypatch.setattr(tuning, "train", lambda *args, **kwargs: {"summary": {tuning.OBJECTIVE: 50.0}})
+    monkeypatch.setattr(tuning, "train", lambda *args, **kwargs: SimpleNamespace(summary={tuning.OBJECTIVE: 50.0}))
     other = tuning.tune(METHOD, tiny(fmnist_dir, lam=0.5), trials=1, out=out)  # λ fixed: not searched
     assert other["study"] != result["study"] and set(other["searched"]) == {"lr", "personal_lr"}
     assert [t["params"].keys() for t in other["trials"]] == [{"lr", "personal_lr"}]
@@ -179,7 +180,7 @@ def test_a_sweep_run_again_makes_the_same_trials_and_a_resumed_one_draws_new_val
     same trials from scratch (the scores being the same), and no replay of the first draws after a resume."""
 
     def score(config, **kwargs):  # a made-up score of the trial's values, as deterministic as training on a CPU
-        return {"summary": {tuning.OBJECTIVE: -abs(config.method.lr - 0.01) - abs(config.method.lam - 1)}}
+        return SimpleNamespace(summary={tuning.OBJECTIVE: -abs(config.method.lr - 0.01) - abs(config.method.lam - 1)})
 
     monkeypatch.setattr(tuning, "train", score)
 

@@ -29,6 +29,7 @@ from peradapt.data import hfdata
 from peradapt.data.sources import source_kind
 from peradapt.errors import ConfigError
 from peradapt.progress import counted
+from peradapt.rundir.records import Privacy, Report, Stats
 
 CARD_FILE = "README.md"
 TAGS = ("peradapt", "federated-learning", "personalization")
@@ -67,7 +68,7 @@ class RunCards:
         self,
         config: TrainConfig,
         resolved: dict,
-        report: dict,
+        report: Report,
         hub: HubTarget | None = None,
         *,
         license: str | None = None,
@@ -80,17 +81,16 @@ class RunCards:
         self.backbone = config.backbone.backbone
         self.kind = resolved.get("adapter", "residual")
         self.scope = resolved.get("scope", "adapter")
-        self.method = report.get("method", config.method.method)
-        self.metric_key = report.get("metric", "accuracy")
+        self.method, self.metric_key = report.method, report.metric
         self.metric = METRIC_LABELS.get(self.metric_key, self.metric_key)
-        self.clients: list[int] = report["clients"]
+        self.clients: list[int] = report.clients
         self.position = {client: index for index, client in enumerate(self.clients)}
-        personal_global = report["personalized"]["global_test"]
-        sampled = personal_global.get("clients", self.clients)  # a large federation: a sample of the clients
-        self.personal_global = dict(zip(sampled, personal_global["per_client"], strict=False))
+        personal_global = report.personalized.global_test
+        sampled = personal_global.clients or self.clients  # a large federation: a sample of the clients
+        self.personal_global = dict(zip(sampled, personal_global.per_client, strict=False))
         self.hub_model, hub_license = _hub_origin(self.backbone, config.backbone.weights, resolved.get("weights"))
         self.license = check_license(license) if license is not None else hub_license
-        self.data, self.hub_dataset = public_data(report["data"])
+        self.data, self.hub_dataset = public_data(report.data)
         self.second_head = _has_second_head(self.method)
         # timm's registry is slow to ask (thousands of names): asked once for every card of the run
         self.native_size = None if is_hf(self.backbone) else fixed_image_size(self.backbone)
@@ -127,7 +127,7 @@ class RunCards:
 
     def federation(self) -> str:
         """The card of the whole export: the federation, its scores per client and what the export holds."""
-        noun, held_out = self._model_noun(), self.report.get("held_out_clients", [])
+        noun, held_out = self._model_noun(), self.report.held_out_clients or []
         contents = [
             f"- `global/`: the global {noun}, with its card;",
             f"- `clients/<id>/`: each client's personalized {noun}, with its card "
@@ -212,19 +212,19 @@ class RunCards:
         """The scores of a card's model-index: (model, test split, value) of `client`'s personalized model, of the
         global model (None) or of the whole federation ("federation"); on local-test, a mean over clients but for
         one client's own."""
-        personal, global_ = self.report["personalized"], self.report["global"]
+        personal, global_ = self.report.personalized, self.report.global_
         if client == "federation":
             return [
-                ("personalized models (mean over clients)", "local-test", personal["local_test"]["mean"]),
-                ("global model", "global-test", global_["global_test"]),
+                ("personalized models (mean over clients)", "local-test", personal.local_test.mean),
+                ("global model", "global-test", global_.global_test),
             ]
         if client is None:
             return [
-                ("global model", "global-test", global_["global_test"]),
-                ("global model (mean over clients)", "local-test", global_["local_test"]["mean"]),
+                ("global model", "global-test", global_.global_test),
+                ("global model (mean over clients)", "local-test", global_.local_test.mean),
             ]
         assert isinstance(client, int)
-        local = _at(personal["local_test"]["per_client"], self.position[client])
+        local = _at(personal.local_test.per_client, self.position[client])
         return [
             (f"client {client}'s personalized model", "local-test", local),
             (f"client {client}'s personalized model", "global-test", self.personal_global.get(client)),
@@ -236,7 +236,7 @@ class RunCards:
     def _federation(self) -> str:
         return (
             f"a simulated federation of {counted(len(self.clients), 'client')} trained by peradapt with "
-            f"`{self.method}` for {counted(self.report['rounds'], 'round')}"
+            f"`{self.method}` for {counted(self.report.rounds, 'round')}"
         )
 
     def _facts_table(self, whose: str, client: int | None) -> str:
@@ -249,7 +249,7 @@ class RunCards:
             ("partition", f"`{self.config.data.partition}` over {counted(self.config.federation.clients, 'client')}"),
             ("training", self._training_description()),
         ]
-        privacy = self.report.get("privacy")
+        privacy = self.report.privacy
         if privacy is not None:
             rows.append(("differential privacy", self._privacy_description(privacy, client)))
         versions = self.resolved.get("versions", {})
@@ -310,53 +310,53 @@ class RunCards:
     def _data_description(self) -> str:
         channels, size, classes = (self.resolved.get(k) for k in ("channels", "image_size", "num_classes"))
         shape = f": {channels}-channel {size}×{size} px images, {classes} classes" if channels and size else ""
-        classes = self.resolved.get("classes") or self.report.get("classes")
+        classes = self.resolved.get("classes") or self.report.classes
         names = f"; classes, in the order of the logits: {', '.join(classes)}" if classes else ""
         return f"`{self.data}`{shape}{names}"
 
     def _training_description(self) -> str:
         fed = self.config.federation
         text = (
-            f"{counted(self.report['rounds'], 'round')}, {fed.clients_per_round} of "
-            f"{len(self.clients)} clients sampled per round, seed {self.report['seed']}"
+            f"{counted(self.report.rounds, 'round')}, {fed.clients_per_round} of "
+            f"{len(self.clients)} clients sampled per round, seed {self.report.seed}"
         )
         if fed.holdout_clients:
             text += f"; {counted(fed.holdout_clients, 'client')} held out (not trained, not exported)"
         return text
 
-    def _privacy_description(self, privacy: dict, client: int | None) -> str:
+    def _privacy_description(self, privacy: Privacy, client: int | None) -> str:
         mechanism = (
-            f"DP-SGD on every client's data (noise multiplier {privacy.get('noise_multiplier')}, clipping norm "
-            f"{privacy.get('max_grad_norm')}, {privacy.get('accountant', '')} accountant)"
+            f"DP-SGD on every client's data (noise multiplier {privacy.noise_multiplier}, clipping norm "
+            f"{privacy.max_grad_norm}, {privacy.accountant} accountant)"
         )
-        epsilon, delta = privacy["epsilon"], privacy.get("delta")
+        epsilon, delta = privacy.epsilon, privacy.delta
         if client is None:
             spent = (
-                f"ε per client {epsilon['mean']:.2f} ± {epsilon['std']:.2f}, at most {epsilon['max']:.2f}, at "
+                f"ε per client {epsilon.mean:.2f} ± {epsilon.std:.2f}, at most {epsilon.max:.2f}, at "
                 f"δ = {delta:g}; the global model is computed from the clients' DP-trained updates"
             )
         else:
-            spent = f"ε = {epsilon['per_client'][self.position[client]]:.2f} for this client's data at δ = {delta:g}"
+            spent = f"ε = {epsilon.per_client[self.position[client]]:.2f} for this client's data at δ = {delta:g}"
         return f"{mechanism}: {spent}"
 
     def _results(self, client: int | None) -> str:
         label = self.metric
         rows: list[tuple[str, str, str]] = []
-        personal, global_ = self.report["personalized"], self.report["global"]
+        personal, global_ = self.report.personalized, self.report.global_
         if client is None:
-            rows.append(("this global model", "all clients' test data (global-test)", _score(global_["global_test"])))
+            rows.append(("this global model", "all clients' test data (global-test)", _score(global_.global_test)))
             rows.append(
                 (
                     "this global model",
                     "each client's own test split (local-test), mean ± std over clients",
-                    _mean_std(global_["local_test"]),
+                    _mean_std(global_.local_test),
                 )
             )
             rows.append(
                 (
                     "the personalized models",
                     "each client's own test split (local-test), mean ± std over clients",
-                    _mean_std(personal["local_test"]),
+                    _mean_std(personal.local_test),
                 )
             )
         else:
@@ -365,7 +365,7 @@ class RunCards:
                 (
                     "this personalized model",
                     f"client {client}'s test split (local-test)",
-                    _score(_at(personal["local_test"]["per_client"], index)),
+                    _score(_at(personal.local_test.per_client, index)),
                 )
             )
             if client in self.personal_global:
@@ -380,14 +380,14 @@ class RunCards:
                 (
                     "the global model",
                     f"client {client}'s test split (local-test)",
-                    _score(_at(global_["local_test"]["per_client"], index)),
+                    _score(_at(global_.local_test.per_client, index)),
                 )
             )
             rows.append(
                 (
                     "every client's personalized model",
                     "its own test split (local-test), mean ± std over clients",
-                    _mean_std(personal["local_test"]),
+                    _mean_std(personal.local_test),
                 )
             )
         table = f"| model | test data | {label} |\n|---|---|---|\n" + "\n".join(
@@ -399,33 +399,33 @@ class RunCards:
         )
 
     def _summary(self) -> str:
-        personal, global_ = self.report["personalized"], self.report["global"]
+        personal, global_ = self.report.personalized, self.report.global_
         rows = [
-            ("personalized", "local-test (each client's own test split)", _mean_std(personal["local_test"])),
-            ("personalized", "global-test (all clients' test data)", _mean_std(personal["global_test"])),
-            ("global", "local-test", _mean_std(global_["local_test"])),
-            ("global", "global-test", _score(global_["global_test"])),
+            ("personalized", "local-test (each client's own test split)", _mean_std(personal.local_test)),
+            ("personalized", "global-test (all clients' test data)", _mean_std(personal.global_test)),
+            ("global", "local-test", _mean_std(global_.local_test)),
+            ("global", "global-test", _score(global_.global_test)),
         ]
         return f"| model | test data | {self.metric} (mean ± std over clients) |\n|---|---|---|\n" + "\n".join(
             f"| {who} | {data} | {value} |" for who, data, value in rows
         )
 
     def _client_table(self) -> str:
-        privacy = self.report.get("privacy")
+        privacy = self.report.privacy
         columns = ["client", "personalized, local-test", "personalized, global-test", "global, local-test"]
         if privacy is not None:
             columns.append("ε")
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        personal, global_ = self.report["personalized"], self.report["global"]
+        personal, global_ = self.report.personalized, self.report.global_
         for index, client in enumerate(self.clients[:FEDERATION_ROWS]):
             cells = [
                 str(client),
-                _score(_at(personal["local_test"]["per_client"], index)),
+                _score(_at(personal.local_test.per_client, index)),
                 _score(self.personal_global.get(client)) if client in self.personal_global else "-",
-                _score(_at(global_["local_test"]["per_client"], index)),
+                _score(_at(global_.local_test.per_client, index)),
             ]
             if privacy is not None:
-                cells.append(f"{_at(privacy['epsilon']['per_client'], index):.2f}")
+                cells.append(f"{_at(privacy.epsilon.per_client, index):.2f}")
             lines.append("| " + " | ".join(cells) + " |")
         more = len(self.clients) - FEDERATION_ROWS
         note = f"\n\n… and {more:,} more clients: each client's card has its own scores." if more > 0 else ""
@@ -634,10 +634,10 @@ def _score(value: float | None) -> str:
     return f"{100 * value:.2f}%"
 
 
-def _mean_std(stats: dict) -> str:
-    if math.isnan(stats["mean"]):
+def _mean_std(stats: Stats) -> str:
+    if math.isnan(stats.mean):
         return "n/a"
-    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f}%"
+    return f"{100 * stats.mean:.2f} ± {100 * stats.std:.2f}%"
 
 
 def id_ranges(ids: list[int]) -> str:

@@ -65,6 +65,7 @@ from peradapt.options import TUNING_SEED, CompareOptions
 from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
+from peradapt.rundir.records import Cost, Report
 from peradapt.training import train
 from peradapt.tuning import TIE_RULE, tune
 
@@ -218,9 +219,8 @@ def compare(options: CompareOptions, settings: dict, console: Console | None = N
     write_text_atomic(out / "compare.md", markdown_table(result))
     plot_ranking([_ranked(row) for row in rows], PRIMARY.label, reference, out / "ranking.png")
     y_name = f"personalized {PRIMARY.label} {METRIC_LABELS[rows[0]['metric']]} %"
-    costed = [{"report": fact["report"]} for method in methods for fact in facts[method] if fact["cost"]]
-    if costed:
-        plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png")
+    costed = [{"report": fact["report"]} for method in methods for fact in facts[method]]
+    plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png")
     for x, x_name, name in CURVE_AXES:
         plot_curves(curves, x, x_name, y_name, target["score"], out / name)
     return result
@@ -309,20 +309,19 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
     """The numbers of one finished run (percent; costs as report.json gives them), evaluating what it lacks: its
     held-out clients personalized, its OOD set. Results already in the run directory are read, not redone."""
     report = read_report(run)
-    for client in report.get("held_out_clients", []):
+    for client in report.held_out_clients or []:
         if not (run / NEW_CLIENTS_DIR / str(client) / "result.json").is_file():
             personalize_new_client(run, str(client))
     if ood is not None and not (run / ood_report_name(ood)).is_file():
         evaluate_ood_run(run, ood, limit=ood_limit, console=console)
-    local = report["personalized"]["local_test"]
+    local = report.personalized.local_test
     facts = {
-        "local_test": 100 * local["mean"],
-        "local_test_client_std": 100 * local["std"],
-        "global_test": 100 * report["summary"]["global_global_test"],
+        "local_test": 100 * local.mean,
+        "local_test_client_std": 100 * local.std,
+        "global_test": 100 * report.summary["global_global_test"],
+        "local_test_weighted": 100 * local.weighted_mean,
+        "local_test_worst_10pct": 100 * local.worst_10pct,
     }
-    for key, entry in (("local_test_weighted", "weighted_mean"), ("local_test_worst_10pct", "worst_10pct")):
-        if entry in local:  # not in runs trained before peradapt reported them
-            facts[key] = 100 * local[entry]
     new_clients = read_new_clients(run)
     if new_clients is not None:
         facts["new_client"] = new_clients["after"]
@@ -331,10 +330,10 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
         facts["ood"] = read_ood(run)[ood]["personalized"]
     curve = _evaluations(run, report)
     facts["local_test_auc"] = area_per_round(curve)
-    return {**facts, "cost": _spent(report.get("cost"), new_clients), "report": report, "curve": curve}
+    return {**facts, "cost": _spent(report.cost, new_clients), "report": report, "curve": curve}
 
 
-def _evaluations(run: Path, report: dict) -> list[Evaluation]:
+def _evaluations(run: Path, report: Report) -> list[Evaluation]:
     """The run's local-test (percent) at each evaluated round, the last round's from report.json, with the client
     samples and bytes spent up to it (metrics.jsonl `cost`; None from a round recorded before costs were on)."""
     history = read_metrics(RunPaths(run).metrics)
@@ -361,25 +360,23 @@ def _target(given: float | None, rows: list[dict]) -> dict:
     return {"score": TARGET_SHARE * best, "rule": f"{TARGET_SHARE:.0%} of the best method's final mean {PRIMARY.label}"}
 
 
-def _spent(cost: dict | None, new_clients: dict | None) -> dict:
+def _spent(cost: Cost, new_clients: dict | None) -> dict:
     """A run's costs as the table shows them, with its new clients' personalization (`new_clients`, as
-    `read_new_clients` gives it); none for a run trained before peradapt recorded them."""
-    if cost is None:
-        return {}
-    timing = cost["timing"]
+    `read_new_clients` gives it)."""
+    timing = cost.timing
     return {
-        "bytes_up": cost["bytes_up"],
-        "bytes_down": cost["bytes_down"],
-        "bytes_total": cost["bytes_up"] + cost["bytes_down"],
-        # the rounds' and the final personalization's (runs from before issue 36 counted the rounds' alone)
-        "client_samples": cost["client_samples"] + cost.get("personalization_samples", 0),
-        "client_flops": cost["client_flops"] + cost.get("personalization_flops", 0),
-        **({"server_flops": cost["server_flops"]} if cost.get("server_flops") is not None else {}),
+        "bytes_up": cost.bytes_up,
+        "bytes_down": cost.bytes_down,
+        "bytes_total": cost.bytes_up + cost.bytes_down,
+        # the rounds' and the final personalization's
+        "client_samples": cost.client_samples + cost.personalization_samples,
+        "client_flops": cost.client_flops + cost.personalization_flops,
+        "server_flops": cost.server_flops,
         **({"new_client_samples": new_clients["samples"]} if new_clients and "samples" in new_clients else {}),
-        "client_seconds": timing["client_seconds"],
-        "server_seconds": timing["aggregation_seconds"] + timing["distillation_seconds"],
-        "peak_rss_bytes": timing["peak_rss_bytes"],
-        **({"peak_cuda_bytes": timing["peak_cuda_bytes"]} if timing["peak_cuda_bytes"] is not None else {}),
+        "client_seconds": timing.client_seconds,
+        "server_seconds": timing.aggregation_seconds + timing.distillation_seconds,
+        "peak_rss_bytes": timing.peak_rss_bytes,
+        **({"peak_cuda_bytes": timing.peak_cuda_bytes} if timing.peak_cuda_bytes is not None else {}),
     }
 
 
@@ -393,8 +390,8 @@ def _row(method: str, runs: list[Path], facts: list[dict], versus: PairedTest, c
     row = {
         "method": method,
         "scope": resolved.get("scope", "adapter"),
-        "metric": facts[0]["report"].get("metric", "accuracy"),
-        **facts[0]["report"].get("cost", {}).get("parameters", {}),  # per client, as measured in the run
+        "metric": facts[0]["report"].metric,
+        **facts[0]["report"].cost.parameters.to_json(),  # per client, as measured in the run
         "tuned": chosen,
         "runs": [str(run) for run in runs],
     }
@@ -408,9 +405,9 @@ def _row(method: str, runs: list[Path], facts: list[dict], versus: PairedTest, c
         for key in facts[0]["cost"]
         if all(key in fact["cost"] for fact in facts)
     }
-    budgets = [fact["report"].get("cost", {}).get("budget") for fact in facts]
+    budgets = [fact["report"].cost.budget for fact in facts]
     if all(budgets):  # --budget: whether every seed's run reached it, or --rounds stopped it first
-        row["budget_reached"] = all(budget["reached"] for budget in budgets)
+        row["budget_reached"] = all(budget.reached for budget in budgets)
     return row
 
 
@@ -430,8 +427,7 @@ def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str |
     for method_facts in facts.values():
         for fact in method_facts:
             report = fact["report"]
-            if "partition_sha256" in report:  # not in runs trained before peradapt recorded it
-                partitions.setdefault(report["seed"], set()).add(report["partition_sha256"])
+            partitions.setdefault(report.seed, set()).add(report.partition_sha256)
     scenarios: set[tuple[float, float]] = set()
     for method_runs in runs.values():
         for run in method_runs:

@@ -32,6 +32,7 @@ from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.files import ROUND_RECORD, check, damaged, read_json, read_text
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.lock import RunLock
+from peradapt.rundir.records import Report, Stats
 
 DEFAULT_OUT = Path("reports")
 OOD_PREFIX = "ood-"
@@ -72,11 +73,9 @@ def _build_report(runs: list[Path], out: Path | None) -> list[Path]:
         plot_accuracy_per_round(results, out / "accuracy_per_round.png"),
         plot_per_client(results, out / "per_client.png"),
     ]
-    costed = [run for run in loaded if "cost" in run["report"]]  # not runs from before costs were recorded
-    if costed:
-        metrics = "/".join(sorted({METRIC_LABELS[run["metric"]] for run in costed}))
-        y_name = f"personalized local-test {metrics} %"
-        written.append(plot_accuracy_vs_cost(cost_panels(costed), y_name, out / "accuracy_vs_cost.png"))
+    metrics = "/".join(sorted({METRIC_LABELS[run["report"].metric] for run in loaded}))
+    y_name = f"personalized local-test {metrics} %"
+    written.append(plot_accuracy_vs_cost(cost_panels(loaded), y_name, out / "accuracy_vs_cost.png"))
     write_text_atomic(out / "summary.md", markdown_summary(rows))
     write_json_atomic(out / "summary.json", {"accuracy_unit": "percent", "rows": rows})
     return [*written, out / "summary.md", out / "summary.json"]
@@ -97,7 +96,6 @@ def _load_run(run: Path) -> dict:
         "path": run,
         "report": report,
         "scope": resolved.get("scope") or config.method.scope or "adapter",
-        "metric": report.get("metric", "accuracy"),  # runs from before multi-label support are single-label
         "history": read_metrics(paths.metrics),
         "ood": read_ood(run),
     }
@@ -131,17 +129,17 @@ def cost_panels(runs: list[dict]) -> list[tuple[str, list[CostPoint]]]:
         "client training samples": [],
     }
     for run in runs:
-        report, cost = run["report"], run["report"]["cost"]
-        score = _percent(report["personalized"]["local_test"])
-        costs = (cost["bytes_up"] + cost["bytes_down"], cost["client_flops"], cost["client_samples"])
+        report, cost = run["report"], run["report"].cost
+        score = _percent(report.personalized.local_test)
+        costs = (cost.bytes_up + cost.bytes_down, cost.client_flops, cost.client_samples)
         for points, value in zip(panels.values(), costs, strict=True):
-            points.append((report["method"], float(value), score))
+            points.append((report.method, float(value), score))
     return list(panels.items())
 
 
-def _percent(value: float | dict) -> float:
-    """A report.json entry in percent: a fraction, or {"mean": fraction, ...} for per-client values."""
-    return 100 * float(value["mean"] if isinstance(value, dict) else value)
+def _percent(value: float | Stats) -> float:
+    """A score in percent: a fraction, or the mean of per-client values."""
+    return 100 * float(value.mean if isinstance(value, Stats) else value)
 
 
 def read_ood(run: Path) -> dict[str, dict[str, float]]:
@@ -162,30 +160,23 @@ def read_ood(run: Path) -> dict[str, dict[str, float]]:
 
 def _label_runs(loaded: list[dict]) -> None:
     for run in loaded:
-        run["label"] = f"{run['report']['method']} (seed {run['report']['seed']})"
+        run["label"] = f"{run['report'].method} (seed {run['report'].seed})"
     labels = [run["label"] for run in loaded]
     for run in loaded:
         if labels.count(run["label"]) > 1:  # same method and seed, other settings: name the directory too
-            run["label"] = f"{run['report']['method']} (seed {run['report']['seed']}, {run['path'].name})"
+            run["label"] = f"{run['report'].method} (seed {run['report'].seed}, {run['path'].name})"
 
 
 # ---------------------------------------------------------------- what the plots and the table show
 
 
-def _final(report: dict) -> dict[str, float]:
-    """The report's final accuracies under the metrics.jsonl keys, in percent."""
-    return {
-        f"{who}_{split}": _percent(value) for who in ("personalized", "global") for split, value in report[who].items()
-    }
-
-
-def round_curve(history: list[dict], report: dict, key: str) -> list[tuple[int, float]]:
+def round_curve(history: list[dict], report: Report, key: str) -> list[tuple[int, float]]:
     """(round, percent) of a metrics.jsonl key at the run's evaluated rounds, in order; the last round's point is
     the final evaluation (report.json), which every run has, even one trained with --eval-every 0."""
     points = {int(record["round"]): 100 * float(record[key]) for record in history if key in record}
-    final = _final(report)
+    final = report.scores()
     if key in final:
-        points[int(report["rounds"])] = final[key]  # the last round ends where report.json says
+        points[report.rounds] = _percent(final[key])  # the last round ends where report.json says
     return sorted(points.items())
 
 
@@ -193,20 +184,20 @@ def _plot_results(run: dict) -> RunResults:
     report = run["report"]
     return RunResults(
         label=run["label"],
-        rounds=int(report["rounds"]),
-        metric=run["metric"],
+        rounds=report.rounds,
+        metric=report.metric,
         curves={key: round_curve(run["history"], report, key) for key, _, _ in ROUND_METRICS},
-        clients=list(report["clients"]),
-        personalized_local=[100 * v for v in report["personalized"]["local_test"]["per_client"]],
-        global_local=[100 * v for v in report["global"]["local_test"]["per_client"]],
+        clients=list(report.clients),
+        personalized_local=[100 * v for v in report.personalized.local_test.per_client],
+        global_local=[100 * v for v in report.global_.local_test.per_client],
         ood=run["ood"],
     )
 
 
-def _stats(entry: float | dict | None) -> dict[str, float] | float | None:
-    if isinstance(entry, dict):
-        return {"mean": 100 * float(entry["mean"]), "std": 100 * float(entry["std"])}
-    return None if entry is None else 100 * float(entry)
+def _stats(entry: float | Stats) -> dict[str, float] | float:
+    if isinstance(entry, Stats):
+        return {"mean": 100 * float(entry.mean), "std": 100 * float(entry.std)}
+    return 100 * float(entry)
 
 
 def read_new_clients(run: Path) -> dict | None:
@@ -237,22 +228,19 @@ def _row(run: dict) -> dict:
     return {
         "run": str(run["path"]),
         "label": run["label"],
-        "method": report["method"],
-        "seed": report["seed"],
+        "method": report.method,
+        "seed": report.seed,
         "scope": run["scope"],
-        "metric": run["metric"],
-        "data": report["data"],
-        "rounds": report["rounds"],
-        "clients": len(report["clients"]),
-        **{key: _stats(report[who].get(split)) for key, who, split in _ACCURACY_ENTRIES},
+        "metric": report.metric,
+        "data": report.data,
+        "rounds": report.rounds,
+        "clients": len(report.clients),
+        **{key: _stats(report.scores()[key]) for key, _ in ACCURACIES},
         "ood": run["ood"],
         "new_clients": read_new_clients(run["path"]),
-        "dp_epsilon": report.get("privacy", {}).get("epsilon"),  # --dp-noise runs: ε per client, mean, std, max
+        # --dp-noise runs: ε per client, mean, std, max
+        "dp_epsilon": report.privacy.epsilon.to_json() if report.privacy else None,
     }
-
-
-# (summary key, report.json model, split) for the table's accuracy columns, in `peradapt compare`'s order
-_ACCURACY_ENTRIES = [(key, *key.split("_", 1)) for key, _ in ACCURACIES]
 
 
 def _cell(value: dict[str, float] | float | None) -> str:

@@ -22,6 +22,7 @@ from peradapt.commands.finished_run import export_run
 from peradapt.errors import ConfigError, HubError, RunError
 from peradapt.options import ExportOptions
 from peradapt.rundir.layout import read_report, read_run_config
+from peradapt.rundir.records import Report
 
 # What an export holds besides the clients' adapters: all of it goes up with every push.
 _SHARED_FILES = (CARD_FILE, "backbone.safetensors", "backbone.json", "backbone/*", "global/*")
@@ -29,12 +30,12 @@ _SHARED_FILES = (CARD_FILE, "backbone.safetensors", "backbone.json", "backbone/*
 _REPLACED = ("clients/*", "global/*", "backbone.safetensors", "backbone.json", "backbone/*")
 
 
-def select_clients(spec: str, report: dict, run_dir: Path) -> tuple[int, ...]:
+def select_clients(spec: str, report: Report, run_dir: Path) -> tuple[int, ...]:
     """The exported clients that `--clients SPEC` names: `all`, or ids separated by commas (`0,3,5`)."""
-    exported = report["clients"]
+    exported = report.clients
     if spec.strip() == "all":
         return tuple(exported)
-    known, held_out = set(exported), set(report.get("held_out_clients", []))
+    known, held_out = set(exported), set(report.held_out_clients or [])
     ids: list[int] = []
     for part in spec.split(","):
         text = part.strip()
@@ -75,7 +76,7 @@ def push_export(options: ExportOptions) -> str:
     _check_can_upload()
     hub = HubTarget(repo_id, chosen)
     export_run(run_dir, out, hub=hub, merge=options.merge, license=license, weights=options.weights)
-    whole = set(chosen) == set(report["clients"])
+    whole = set(chosen) == set(report.clients)
     allowed = [*_SHARED_FILES, *(["clients/*"] if whole else [f"clients/{client}/*" for client in chosen])]
     api = HfApi()
     try:
@@ -86,7 +87,7 @@ def push_export(options: ExportOptions) -> str:
             repo_type="model",
             allow_patterns=allowed,
             delete_patterns=list(_REPLACED),
-            commit_message=f"peradapt export of {report['method']} on {public_data(report['data'])[0]}: global + "
+            commit_message=f"peradapt export of {report.method} on {public_data(report.data)[0]}: global + "
             f"{len(chosen)} client adapters",
         )
     except (HTTPError, OfflineModeIsEnabled) as exc:  # HfHubHTTPError (an answer) is an HTTPError too

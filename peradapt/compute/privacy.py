@@ -48,6 +48,7 @@ from peradapt.adapters import AdaptedModel
 from peradapt.compute.metrics import summary
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.errors import ConfigError
+from peradapt.rundir.records import Privacy, Stats
 from peradapt.rundir.store import ClientStore
 from peradapt.seeds import NOISE, derive_seed
 
@@ -243,19 +244,17 @@ def round_epsilons(privacy: PrivateTraining | None, store: ClientStore, clients:
     return {"dp_epsilon": [epsilon(history_of(store, c), privacy.config.dp_delta) for c in clients]}
 
 
-def privacy_report(privacy: PrivateTraining | None, store: ClientStore, clients: list[int]) -> dict:
+def privacy_report(privacy: PrivateTraining | None, store: ClientStore, clients: list[int]) -> Privacy | None:
     """report.json's `privacy`: the mechanism's settings and every client's ε, with their mean, std and max."""
     if privacy is None:
-        return {}
+        return None
     histories = [history_of(store, c) for c in clients]
     per_client = [epsilon(history, privacy.config.dp_delta) for history in histories]
-    return {
-        "privacy": {
-            **_settings(privacy.config),
-            "epsilon": {**summary(per_client), "max": max(per_client, default=0.0), "per_client": per_client},
-            "steps": [_steps(history) for history in histories],
-        }
-    }
+    return Privacy(
+        **_settings(privacy.config),
+        epsilon=Stats(**summary(per_client), max=max(per_client, default=0.0), per_client=per_client),
+        steps=[_steps(history) for history in histories],
+    )
 
 
 def client_privacy(privacy: PrivateTraining | None, store: ClientStore, client_id: int) -> dict:

@@ -3,11 +3,10 @@
 from peradapt.compute.metrics import local_test_statistics, mean_auc, metric_name, roc_auc, summary
 from peradapt.evaluation.metrics import evaluate_adapters, summarize
 from peradapt.evaluation.report import METRIC_LABELS, cost_summary, results_table
-from peradapt.evaluation.selection import SELECTED_ON_TEST, per_client_record, select_on_test
+from peradapt.evaluation.selection import per_client_record, select_on_test
 
 __all__ = [
     "METRIC_LABELS",
-    "SELECTED_ON_TEST",
     "cost_summary",
     "evaluate_adapters",
     "local_test_statistics",

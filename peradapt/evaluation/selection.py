@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from peradapt.compute.metrics import summary
-
-SELECTED_ON_TEST = "selected_on_test"
+from peradapt.rundir.records import Best, SelectedOnTest, Stats
 
 
 def per_client_record(evaluation: dict) -> dict:
@@ -27,7 +26,7 @@ def per_client_record(evaluation: dict) -> dict:
     }
 
 
-def select_on_test(history: Sequence[dict], final_round: int, final: dict) -> dict:
+def select_on_test(history: Sequence[dict], final_round: int, final: dict) -> SelectedOnTest:
     """Per client the best personalized local-test over the evaluated rounds and the final one, and the best
     global-test of the global model over the same rounds, each with the round it came from."""
     best: dict[int, tuple[float, int]] = {}
@@ -46,15 +45,13 @@ def select_on_test(history: Sequence[dict], final_round: int, final: dict) -> di
                 best[client] = (value, round_number)
     clients = final["clients"]
     values = [best[client][0] if client in best else float("nan") for client in clients]
-    return {
-        "rounds_evaluated": [round_number for round_number, _ in evaluated] + [final_round],
-        "personalized_local_test": {
-            **summary(values),
-            "per_client": values,
-            "rounds": [best[client][1] for client in clients],
-        },
-        "global_global_test": {"value": global_best[0], "round": global_best[1]},
-    }
+    return SelectedOnTest(
+        rounds_evaluated=[round_number for round_number, _ in evaluated] + [final_round],
+        personalized_local_test=Stats(
+            **summary(values), per_client=values, rounds=[best[client][1] for client in clients]
+        ),
+        global_global_test=Best(value=global_best[0], round=global_best[1]),
+    )
 
 
 def _better(value: float, current: float) -> bool:

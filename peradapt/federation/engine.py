@@ -53,7 +53,6 @@ from peradapt.data.sources import dataset_label
 from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, machine_error
 from peradapt.evaluation import (
-    SELECTED_ON_TEST,
     evaluate_adapters,
     local_test_statistics,
     per_client_record,
@@ -79,6 +78,7 @@ from peradapt.rundir.checkpoint import (
 from peradapt.rundir.files import damaged, first_missing
 from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
+from peradapt.rundir.records import Budget, Cost, Global, Parameters, Personalized, Report, Stats, Timing
 from peradapt.seeds import SERVER, answering, derive_seed, sample_clients, straggler_shares
 
 # What --resume lets change: --rounds (a run may go on), and every setting no result depends on
@@ -86,6 +86,16 @@ RESUMABLE_CHANGES = ("rounds", *OUTCOME_FREE)
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
 SECONDS = ("client_seconds", "aggregation_seconds", "distillation_seconds")  # a round's `timing`, summed by the report
+ROUND_COSTS = (  # a round's `cost`, summed by the report
+    "bytes_down",
+    "bytes_up",
+    "client_samples",
+    "client_flops",
+    "server_samples",
+    "server_flops",
+    "evaluation_samples",
+    "evaluation_flops",
+)
 _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
 
 
@@ -121,7 +131,7 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
     return resumed
 
 
-def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Report:
     """Run (or continue) a federation on the builtin engine; returns the report also written to `report.json`.
     (`peradapt.training.train` picks the engine the config names.)"""
     if config.federation.engine != "builtin":
@@ -320,7 +330,7 @@ def _remove_new_run(paths: RunPaths, created: Path | None) -> None:
         shutil.rmtree(created, ignore_errors=True)
 
 
-def run_federation(run: PreparedRun, clients: Clients, console: Console) -> dict:
+def run_federation(run: PreparedRun, clients: Clients, console: Console) -> Report:
     """The rounds left, then the final evaluation and export: the same for every engine."""
     flops = sample_flops(run.session)
     global_state = _run_rounds(
@@ -786,7 +796,7 @@ def _finish(
     clients: Clients,
     flops: SampleFlops,
     tracking: Tracking | None = None,
-) -> dict:
+) -> Report:
     federated, played = session.federated_clients, len(history)  # fewer than --rounds if --budget stopped the run
     with progress_display(console) as progress:
         finished = progress.add_task("final evaluation and export", total=len(federated))
@@ -802,10 +812,10 @@ def _finish(
             on_client=lambda: progress.advance(finished),
         )
         session.model.save_pretrained(paths.global_adapter, global_state)
-    report = build_report(session, evaluation, history, flops, personalized_elements=own.counted)
-    # The clients' data as scored: a table built from this report can be checked against the split it names.
-    report["partition_sha256"] = hashlib.sha256(paths.partition.read_bytes()).hexdigest()
-    write_json_atomic(paths.report, report)
+    report = build_report(
+        session, evaluation, history, flops, personalized_elements=own.counted, partition=paths.partition
+    )
+    write_json_atomic(paths.report, report.to_json())
     if tracking is not None:
         tracking.finish(report)
     return report
@@ -860,99 +870,93 @@ def exporting(
 
 
 def build_report(
-    session: Session, evaluation: dict, history: list[dict], flops: SampleFlops, *, personalized_elements: int
-) -> dict:
-    def with_stats(values: list[float], **clients: list[int]) -> dict:
-        return {**summary(values), "per_client": values, **clients}
-
+    session: Session,
+    evaluation: dict,
+    history: list[dict],
+    flops: SampleFlops,
+    *,
+    personalized_elements: int,
+    partition: Path,
+) -> Report:
     test_sizes = [len(session.data.clients[client].test) for client in evaluation["clients"]]
 
-    def local_test(values: list[float]) -> dict:  # the clients' own test splits: also weighted and worst-10%
-        return {**with_stats(values), **local_test_statistics(values, test_sizes)}
+    def local_test(values: list[float]) -> Stats:  # the clients' own test splits: also weighted and worst-10%
+        return Stats(**summary(values), per_client=values, **local_test_statistics(values, test_sizes))
 
     config = session.config
-    held_out = {"held_out_clients": [c.client_id for c in session.held_out_clients]} if session.held_out_clients else {}
-    sampled = {"clients": evaluation["global_test_clients"]} if "global_test_clients" in evaluation else {}
-    return {
-        "method": config.method.method,
-        "data": config.data.data,
-        "metric": evaluation["metric"],
-        # --eval-split validation: every "test" score below is on the clients' validation splits (tuning trials)
-        "eval_split": config.data.eval_split,
-        "classes": list(session.class_names),
-        "rounds": len(history),  # played: --rounds, or fewer where --budget stopped the run
-        "seed": config.seed,
-        "clients": evaluation["clients"],
-        "personalized": {
-            "local_test": local_test(evaluation["personalized"]["local_test"]),
+    personalized = evaluation["personalized"]
+    return Report(
+        method=config.method.method,
+        data=config.data.data,
+        metric=evaluation["metric"],
+        eval_split=config.data.eval_split,
+        classes=list(session.class_names),
+        rounds=len(history),
+        seed=config.seed,
+        clients=evaluation["clients"],
+        personalized=Personalized(
+            local_test=local_test(personalized["local_test"]),
             # a large federation scores a sample of personalized adapters on the global test set: which ones
-            "global_test": with_stats(evaluation["personalized"]["global_test"], **sampled),
-        },
-        "global": {
-            "local_test": local_test(evaluation["global"]["local_test"]),
-            "global_test": evaluation["global"]["global_test"],
-        },
-        "summary": summarize(evaluation),
-        # The authors' reporting: per client its best evaluated round on its own test data (see evaluation.selection)
-        SELECTED_ON_TEST: select_on_test(history, len(history), evaluation),
-        "trainable_parameters": session.model.num_trainable(),
-        "backbone_parameters": session.model.num_backbone(),
-        **held_out,
-        **privacy_report(session.trainer.privacy, session.store, evaluation["clients"]),
-        **cost_report(session, history, flops, personalized_elements),
-    }
+            global_test=Stats(
+                **summary(personalized["global_test"]),
+                per_client=personalized["global_test"],
+                clients=evaluation.get("global_test_clients"),
+            ),
+        ),
+        global_=Global(
+            local_test=local_test(evaluation["global"]["local_test"]),
+            global_test=evaluation["global"]["global_test"],
+        ),
+        summary=summarize(evaluation),
+        selected_on_test=select_on_test(history, len(history), evaluation),
+        trainable_parameters=session.model.num_trainable(),
+        backbone_parameters=session.model.num_backbone(),
+        held_out_clients=[c.client_id for c in session.held_out_clients] or None,
+        privacy=privacy_report(session.trainer.privacy, session.store, evaluation["clients"]),
+        cost=cost_report(session, history, flops, personalized_elements),
+        # The clients' data as scored: a table built from this report can be checked against the split it names.
+        partition_sha256=hashlib.sha256(partition.read_bytes()).hexdigest(),
+    )
 
 
-def cost_report(session: Session, history: list[dict], flops: SampleFlops, personalized_elements: int) -> dict:
+def cost_report(session: Session, history: list[dict], flops: SampleFlops, personalized_elements: int) -> Cost:
     """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, the final
-    personalization's, with the method's parameter counts and the budget. Nothing for a run with rounds from before
-    costs were recorded (resumed); a total a round from before it was counted lacks is null."""
-    if not all("cost" in record for record in history):
-        return {}
-    totals = {key: sum(record["cost"][key] for record in history) for key in ("bytes_down", "bytes_up")}
+    personalization's, with the method's parameter counts and the budget."""
+    rounds = {key: sum(record["cost"][key] for record in history) for key in ROUND_COSTS}
     client_rounds = sum(len(record["bytes_up"]) for record in history)
     timings = [record["timing"] for record in history]
     now = peak_memory(session.device)  # the final evaluation's too
     cuda = [t["peak_cuda_bytes"] for t in [*timings, now] if "peak_cuda_bytes" in t]
     limit = budget_limit(session.config)
-    samples, personalization = client_samples(history), personalization_reserve(session)
-    later = {  # counted since issue 36
-        key: sum(record["cost"][key] for record in history) if all(key in r["cost"] for r in history) else None
-        for key in ("server_samples", "server_flops", "evaluation_samples", "evaluation_flops")
-    }
-    return {
-        "cost": {
-            "rounds_played": len(history),
-            **totals,
-            **{f"{key}_per_client_round": totals[key] / max(client_rounds, 1) for key in totals},
-            "client_samples": samples,
-            "client_flops": sum(record["cost"]["client_flops"] for record in history),
-            # the clients' models handed out after the rounds: what the method trains then (fine-tuning)
-            "personalization_samples": personalization,
-            "personalization_flops": personalization * flops.training,
-            **later,
-            "training_flops_per_sample": flops.training,
-            "inference_flops_per_sample": flops.inference,
-            # per client, measured: its model's own elements (in the final evaluation), the most one client update
-            # trained and sent (`parameter_counts` of the round records)
-            "parameters": {
-                "personalized": personalized_elements,
-                **{
-                    key: max((r["parameter_counts"][key] for r in history if "parameter_counts" in r), default=0)
-                    for key in ("trained", "communicated")
-                },
+    personalization = personalization_reserve(session)
+    return Cost(
+        rounds_played=len(history),
+        **{f"{key}_per_client_round": rounds[key] / max(client_rounds, 1) for key in ("bytes_down", "bytes_up")},
+        **rounds,
+        # the clients' models handed out after the rounds: what the method trains then (fine-tuning)
+        personalization_samples=personalization,
+        personalization_flops=personalization * flops.training,
+        training_flops_per_sample=flops.training,
+        inference_flops_per_sample=flops.inference,
+        # per client, measured: its model's own elements (in the final evaluation), the most one client update
+        # trained and sent (`parameter_counts` of the round records)
+        parameters=Parameters(
+            personalized=personalized_elements,
+            **{
+                key: max((r["parameter_counts"][key] for r in history if "parameter_counts" in r), default=0)
+                for key in ("trained", "communicated")
             },
-            "budget": None
-            if limit is None
-            else {
-                "client_samples": limit,
-                "spent": samples + personalization,
-                "reached": budget_reached(history, limit, personalization),
-            },
-            "timing": {
-                **{key: sum(t[key] for t in timings) for key in SECONDS},
-                "peak_rss_bytes": max(t["peak_rss_bytes"] for t in [*timings, now]),
-                "peak_cuda_bytes": max(cuda, default=None),  # None: not on a GPU
-            },
-        }
-    }
+        ),
+        budget=None
+        if limit is None
+        else Budget(
+            client_samples=limit,
+            spent=rounds["client_samples"] + personalization,
+            reached=budget_reached(history, limit, personalization),
+        ),
+        timing=Timing(
+            **{key: sum(t[key] for t in timings) for key in SECONDS},
+            peak_rss_bytes=max(t["peak_rss_bytes"] for t in [*timings, now]),
+            peak_cuda_bytes=max(cuda, default=None),
+        ),
+    )

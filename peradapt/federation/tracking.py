@@ -29,6 +29,7 @@ from peradapt.errors import ConfigError, MachineError, PeradaptError
 from peradapt.home import environment_setting
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.files import check, read_json
+from peradapt.rundir.records import Report
 
 TRACKERS_FILE = "trackers.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -72,9 +73,9 @@ def numeric(record: dict, prefix: str = "") -> dict[str, float]:
     }
 
 
-def final_numbers(report: dict) -> dict[str, float]:
-    """What trackers get at the end: the report's summary and, where the run recorded them, its costs in total."""
-    return {**numeric(report["summary"], "summary/"), **numeric(report.get("cost", {}), "run_cost/")}
+def final_numbers(report: Report) -> dict[str, float]:
+    """What trackers get at the end: the report's summary and its costs in total."""
+    return {**numeric(report.summary, "summary/"), **numeric(report.cost.to_json(), "run_cost/")}
 
 
 class Tracker(Protocol):
@@ -88,7 +89,7 @@ class Tracker(Protocol):
     def log_round(self, record: dict) -> None:
         """A round's record (a line of metrics.jsonl), at step = its round."""
 
-    def finish(self, report: dict) -> None:
+    def finish(self, report: Report) -> None:
         """The final report's summary, then end the backend's run as finished."""
 
     def state(self) -> dict:
@@ -125,9 +126,9 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, record["round"])
         self.writer.flush()  # trackers.json says the round is logged right after
 
-    def finish(self, report: dict) -> None:
+    def finish(self, report: Report) -> None:
         for key, value in final_numbers(report).items():
-            self.writer.add_scalar(key, value, report["rounds"])
+            self.writer.add_scalar(key, value, report.rounds)
         self.writer.file_writer.add_summary(self.session_end)
         self.close()
 
@@ -161,7 +162,7 @@ class WandbTracker:
     def log_round(self, record: dict) -> None:
         self.run.log(numeric(record), step=record["round"])
 
-    def finish(self, report: dict) -> None:
+    def finish(self, report: Report) -> None:
         self.run.summary.update(final_numbers(report))
         self.run.finish()
         self.run = None
@@ -221,8 +222,8 @@ class MlflowTracker:
     def log_round(self, record: dict) -> None:
         self._log(numeric(record), record["round"])
 
-    def finish(self, report: dict) -> None:
-        self._log(final_numbers(report), report["rounds"])
+    def finish(self, report: Report) -> None:
+        self._log(final_numbers(report), report.rounds)
         self.client.set_terminated(self.run_id, "FINISHED")
         self.client = None
 
@@ -258,7 +259,7 @@ class Tracking:
         if behind:
             self._save()
 
-    def finish(self, report: dict) -> None:
+    def finish(self, report: Report) -> None:
         for name, tracker in self.trackers.items():
             with _backend(name, "could not log the final report"):
                 tracker.finish(report)

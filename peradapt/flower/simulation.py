@@ -30,6 +30,7 @@ from peradapt.errors import ConfigError, PeradaptError, RunError
 from peradapt.federation.engine import PreparedRun, run_federation
 from peradapt.flower.client import app as client_app
 from peradapt.flower.server import FlowerClients
+from peradapt.rundir.records import Report
 
 if importlib.util.find_spec("ray") is None:  # checked on import: before the run directory is written
     raise ConfigError("--engine flower simulates with Ray, which is not installed: pip install 'peradapt[flower]'")
@@ -37,7 +38,7 @@ if importlib.util.find_spec("ray") is None:  # checked on import: before the run
 SIMULATED_NODES = 100  # virtual SuperNodes at most: each is set up by a message of its own when the run starts
 
 
-def simulate(run: PreparedRun, console: Console) -> dict:
+def simulate(run: PreparedRun, console: Console) -> Report:
     """Run the prepared run's rounds, evaluation and export in Flower's simulation; returns the report."""
     fed = run.session.config.federation
     federated = fed.clients - fed.holdout_clients

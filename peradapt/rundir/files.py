@@ -1,8 +1,9 @@
 """What the files of a run directory must hold, and the one-line RunError that names a damaged one and its remedy.
 
-Every reader of a run's JSON files (config.json, partition.json, report.json, metrics.jsonl, checkpoint metadata)
-checks the structure it relies on here, where the file is read, so that a truncated, edited or foreign file is
-refused with its path and what to do, instead of a KeyError or TypeError deep inside a command.
+Every reader of a run's JSON files (config.json, partition.json, metrics.jsonl, checkpoint metadata) checks the
+structure it relies on here, where the file is read, so that a truncated, edited or foreign file is refused with its
+path and what to do, instead of a KeyError or TypeError deep inside a command; report.json is a typed record
+(`records.Report`), whose fields are its structure.
 
 A structure is written as a Python value: a type (`float` takes whole numbers too; neither `int` nor `float` takes
 a bool), `[item]` (a list of items), `{key: value}` (an object with those keys; a key ending in `?` may be absent)
@@ -17,42 +18,6 @@ from typing import Any
 
 from peradapt.errors import RunError
 
-STATS = {"mean": float, "std": float, "per_client": [float]}
-# report.json as `peradapt train` writes it (see `engine.build_report`): what `info`, `report` and `compare` read
-REPORT = {
-    "method": str,
-    "data": str,
-    "metric?": str,  # runs from before multi-label data lack it
-    "classes?": [str],  # runs from before class names were recorded lack it
-    "partition_sha256?": str,  # the same
-    "eval_split?": str,  # the same; "validation": the test scores are on validation splits
-    "rounds": int,
-    "seed": int,
-    "clients": [int],
-    "personalized": {"local_test": STATS, "global_test": STATS},
-    "global": {"local_test": STATS, "global_test": float},
-    "summary": {str: float},
-    "privacy?": {"epsilon": {"mean": float, "std": float, "max": float, "per_client": [float]}},
-    # runs from before costs were recorded lack it (see `engine.cost_report`; its "timing" is not read back)
-    "cost?": {
-        "rounds_played": int,
-        "bytes_down": int,
-        "bytes_up": int,
-        "client_samples": int,
-        "client_flops": int,
-        "training_flops_per_sample": int,
-        # reports from before issue 36 lack these; a total is null where a resumed run's older rounds lack it
-        "personalization_samples?": int,
-        "personalization_flops?": int,
-        "server_samples?": object,
-        "server_flops?": object,
-        "evaluation_samples?": object,
-        "evaluation_flops?": object,
-        "inference_flops_per_sample?": int,
-        "parameters": {str: int},
-        "budget": object,  # null, or {"client_samples": N, "spent": S, "reached": true or false}
-    },
-}
 # partition.json (see `data.federation.build_federation`): what `info` and a reopened session read
 PARTITION = {
     "spec": str,
@@ -152,7 +117,7 @@ def mismatch(value: Any, structure: Any, where: str = "") -> str | None:
     place = where or "its content"
     if isinstance(structure, dict):
         if not isinstance(value, dict):
-            return f"{place} is {_kind(value)}, not an object"
+            return f"{place} is {described(value)}, not an object"
         if set(structure) == {str}:
             items = [(key, structure[str]) for key in value]
         else:
@@ -167,33 +132,33 @@ def mismatch(value: Any, structure: Any, where: str = "") -> str | None:
         return None
     if isinstance(structure, list):
         if not isinstance(value, list):
-            return f"{place} is {_kind(value)}, not a list"
+            return f"{place} is {described(value)}, not a list"
         item = structure[0]
         if item in (int, float):  # long lists of numbers (a partition's indices): one pass, no recursion
-            bad = next((i for i, v in enumerate(value) if not _is_number(v, item)), None)
-            return None if bad is None else f"{where}[{bad}] is {_kind(value[bad])}, not {_name(item)}"
+            bad = next((i for i, v in enumerate(value) if not is_number(v, item)), None)
+            return None if bad is None else f"{where}[{bad}] is {described(value[bad])}, not {type_name(item)}"
         for index, entry in enumerate(value):
             problem = mismatch(entry, item, f"{where}[{index}]")
             if problem is not None:
                 return problem
         return None
     if structure in (int, float):
-        return None if _is_number(value, structure) else f"{place} is {_kind(value)}, not {_name(structure)}"
-    return None if isinstance(value, structure) else f"{place} is {_kind(value)}, not {_name(structure)}"
+        return None if is_number(value, structure) else f"{place} is {described(value)}, not {type_name(structure)}"
+    return None if isinstance(value, structure) else f"{place} is {described(value)}, not {type_name(structure)}"
 
 
-def _is_number(value: Any, kind: type) -> bool:
+def is_number(value: Any, kind: type) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, int) if kind is int else isinstance(value, (int, float))
 
 
-def _name(kind: type) -> str:
+def type_name(kind: type) -> str:
     names = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", dict: "an object"}
     return names.get(kind, kind.__name__)
 
 
-def _kind(value: Any) -> str:
+def described(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):

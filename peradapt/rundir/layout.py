@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peradapt.config import TrainConfig
-from peradapt.registry import METHODS
 from peradapt.errors import ConfigError, PluginError, RunError
 from peradapt.progress import counted
-from peradapt.rundir.files import PARTITION, REPORT, RESOLVED, check, damaged, read_json
+from peradapt.registry import METHODS
+from peradapt.rundir.files import PARTITION, RESOLVED, check, damaged, read_json
+from peradapt.rundir.records import Report
 
 
 @dataclass
@@ -116,15 +117,13 @@ def read_partition(run_dir: Path) -> dict:
     return partition
 
 
-def read_report(run_dir: Path) -> dict | None:
+def read_report(run_dir: Path) -> Report | None:
     """The final evaluation of the run in `run_dir` (report.json), checked; None: the run has not finished."""
     path = RunPaths(run_dir).report
     if not path.is_file():
         return None
     remedy = f"rewrite it with `peradapt train --out {run_dir} --resume`, which redoes the final evaluation and export"
-    report = read_json(path, remedy)
-    check(report, REPORT, path, remedy)
-    privacy = report.get("privacy")
-    if privacy is not None and len(privacy["epsilon"]["per_client"]) != len(report["clients"]):
+    report = Report.from_json(read_json(path, remedy), path, remedy)
+    if report.privacy is not None and len(report.privacy.epsilon.per_client) != len(report.clients):
         raise damaged(path, "privacy.epsilon.per_client and clients differ in length", remedy)
     return report
