@@ -26,7 +26,10 @@ CASES: dict[str, list[str]] = {
     "peradapt methods": ["-m", "peradapt", "methods"],
     "peradapt train --help": ["-m", "peradapt", "train", "--help"],
     "import peradapt": ["-c", "import peradapt"],
-    "train's own work can start (import peradapt.training)": ["-c", "import peradapt.cli, peradapt.training"],
+    "train's own work can start (import peradapt.commands.training)": [
+        "-c",
+        "import peradapt.cli, peradapt.commands.training",
+    ],
     "eval's own work can start (import peradapt.commands.finished_run)": [
         "-c",
         "import peradapt.cli, peradapt.commands.finished_run",

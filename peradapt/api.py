@@ -96,7 +96,7 @@ def train(
     `config.out` (set to the default, `runs/DATA-METHOD-seedSEED`, when none is given). `dry_run`: instead, what the
     run would do and about how long it would take on this machine, with nothing written
     (`peradapt.commands.estimate.estimate_sweep`)."""
-    from peradapt.training import train as run_training
+    from peradapt.commands.training import train as run_training
 
     options, settings = TrainOptions.split(None if isinstance(config, TrainConfig) else config, values)
     if not isinstance(config, TrainConfig):
@@ -179,7 +179,7 @@ def pretrain(
 ) -> tuple[Path, float]:
     """Make a backbone offline on a dataset's labeled pretraining split (`PretrainOptions`, or its fields as
     keyword arguments: the `pretrain` flags); returns where the weights were written and their held-out accuracy."""
-    from peradapt.pretraining import pretrain as run_pretrain
+    from peradapt.commands.pretraining import pretrain as run_pretrain
 
     return run_pretrain(PretrainOptions.of(options, values), _console(console, quiet))
 

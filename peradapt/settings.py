@@ -8,7 +8,7 @@ bounds or a list of choices, why a bound is where it is, a metavar, what a `None
 symbol, and the range `compare --tune` searches it over (`Search`). From that one declaration come every command's
 flags and their help panels (`peradapt.cli`), the keys of config files and of a run's config.json and their checks
 (`peradapt.config`), the commands' own options objects and their checks (`peradapt.options`), the search spaces of
-`peradapt.tuning`, `peradapt info --preset`, `peradapt methods` and the tables in docs/SETTINGS.md.
+`peradapt.commands.tuning`, `peradapt info --preset`, `peradapt methods` and the tables in docs/SETTINGS.md.
 
 Why dataclasses and click (through Typer) rather than pydantic: the configs already are dataclasses that library
 code reads as plain attributes (`config.method.lam`), and `field(metadata=...)` is the standard library's place for
@@ -43,8 +43,9 @@ _METADATA_KEY = "peradapt.setting"
 @dataclass(frozen=True)
 class Search:
     """The values `compare --tune` tries for a setting: a range of numbers, uniform or log-uniform (`log`, `uniform`),
-    a range of whole numbers (`integers`) or a list of values (`choices`). `peradapt.tuning` hands it to Optuna's
-    sampler as the matching distribution; the declaration checks that it lies within the setting's own bounds."""
+    a range of whole numbers (`integers`) or a list of values (`choices`). `peradapt.commands.tuning` hands it to
+    Optuna's sampler as the matching distribution; the declaration checks that it lies within the setting's own
+    bounds."""
 
     low: float | None = None
     high: float | None = None

@@ -97,8 +97,8 @@ def fmnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def pretrained_home(tmp_path_factory: pytest.TempPathFactory, fmnist_dir: Path) -> Path:
     """A PERADAPT_HOME holding the tiny backbone, pretrained once for the whole session."""
+    from peradapt.commands.pretraining import pretrain
     from peradapt.options import PretrainOptions
-    from peradapt.pretraining import pretrain
 
     home = tmp_path_factory.mktemp("peradapt-home")
     with pytest.MonkeyPatch.context() as patch:

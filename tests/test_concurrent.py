@@ -515,7 +515,7 @@ def test_models_with_other_random_layers_train_one_after_another(fmnist_dir, hom
 
 def test_flower_says_its_clientapps_train_one_client_each(fmnist_dir, home, tmp_path, monkeypatch):
     import peradapt.flower.simulation as simulation
-    from peradapt.training import train
+    from peradapt.commands.training import train
 
     monkeypatch.setattr(simulation, "simulate", lambda run, console: {"simulated": True})
     config = TrainConfig.from_flat(

@@ -98,7 +98,7 @@ def test_flower_simulation_gives_its_clients_the_gpu(tmp_path, fmnist_dir, home)
     pytest.importorskip("ray")
     from rich.console import Console
 
-    import peradapt.training as training
+    import peradapt.commands.training as training
 
     values = settings(fmnist_dir, tmp_path / "flower", engine="flower", device=DEVICE, rounds=1)
     report = training.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from peradapt.commands.training import train
 from peradapt.compute.trainer import InputPipeline
 from peradapt.config import TrainConfig
 from peradapt.errors import DataError
 from peradapt.federation.session import build_session
-from peradapt.training import train
 
 from .conftest import idx_bytes, settings, striped_images
 

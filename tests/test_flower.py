@@ -25,8 +25,8 @@ from flwr.common.config import validate_config
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+import peradapt.commands.training as training
 import peradapt.federation.engine as engine
-import peradapt.training as training
 from peradapt.cli import main
 from peradapt.commands.finished_run import open_run
 from peradapt.config import TrainConfig

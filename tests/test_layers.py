@@ -29,8 +29,6 @@ LAYERS = [
     ["methods"],
     ["federation"],
     ["flower"],
-    ["training", "pretraining"],
-    ["tuning"],
     ["commands"],
     ["api"],
     ["cli"],

@@ -1,4 +1,4 @@
-"""`compare --tune N` (issue 28, items 1 and 7): search spaces declared with the settings, `peradapt.tuning.tune`'s
+"""`compare --tune N` (issue 28, items 1 and 7): search spaces declared with the settings, `commands.tuning.tune`'s
 trials on validation splits, pruning by stages, a sweep that resumes after a kill, and several workers sharing one
 study (two processes on one SQLite database and on one journal file)."""
 
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-import peradapt.tuning as tuning
+import peradapt.commands.tuning as tuning
 from peradapt.config import _SHARED, search_space
 from peradapt.errors import ConfigError
 from peradapt.registry import METHODS
@@ -253,7 +253,7 @@ def worker(
     )
     arguments = json.dumps([METHOD, tiny(fmnist_dir), trials, str(out), storage, heartbeat_s])
     return (
-        "import json, os, sys, torch\nimport peradapt.tuning as tuning\ntorch.set_num_threads(1)\n"
+        "import json, os, sys, torch\nimport peradapt.commands.tuning as tuning\ntorch.set_num_threads(1)\n"
         f"{die}method, values, trials, out, storage, heartbeat_s = json.loads(sys.argv[1])\n"
         "from pathlib import Path\n"
         "result = tuning.tune(method, values, trials=trials, out=Path(out), storage=storage, heartbeat_s=heartbeat_s)\n"

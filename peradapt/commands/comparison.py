@@ -1,6 +1,6 @@
 """`peradapt compare`: several methods tuned on the same budget, repeated over seeds, costed and audited.
 
-1. **Tuning** (`--tune N`): each method gets N trials over its own declared search space (`peradapt.tuning`),
+1. **Tuning** (`--tune N`): each method gets N trials over its own declared search space (`commands.tuning`),
    every trial scored on validation splits carved from the clients' training images (`--eval-split validation`):
    no test image reaches a model before the final runs. A value given on the command line is not searched.
 2. **Final runs**: each method with its chosen settings once per seed, under `out/<method>-seed<seed>/`; a seed
@@ -36,6 +36,8 @@ from peradapt.commands.estimate import estimate_sweep
 from peradapt.commands.finished_run import evaluate_ood_run, ood_report_name
 from peradapt.commands.newclients import NEW_CLIENTS_DIR, personalize_new_client
 from peradapt.commands.reports import cost_panels, read_metrics, read_new_clients, read_ood, round_curve
+from peradapt.commands.training import train
+from peradapt.commands.tuning import TIE_RULE, tune
 from peradapt.config import (
     COMPARE_SETS,
     OUTCOME_FREE,
@@ -66,8 +68,6 @@ from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.records import Cost, Report
-from peradapt.training import train
-from peradapt.tuning import TIE_RULE, tune
 
 ANCHORS = ("standalone", "fedavg-ft")  # Local training alone and FedAvg + fine-tuning: what any pFL method must beat
 DEFAULT_REFERENCE = "perada"

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from rich.table import Table
 
+from peradapt.commands.tuning import searched, trial_stages
 from peradapt.config import TrainConfig, settings_for_method
 from peradapt.distill.kd import validation_checks
 from peradapt.federation.engine import budget_limit, budget_share, check_budget, personalization_reserve
@@ -44,7 +45,6 @@ from peradapt.federation.session import Session, build_session
 from peradapt.options import TUNING_SEED
 from peradapt.progress import counted
 from peradapt.seeds import sample_clients
-from peradapt.tuning import searched, trial_stages
 
 TIMED_STEPS = 3  # client and distillation steps timed after a warm-up one: enough for a median-free mean of a few
 NOT_COUNTED = "not counted: new clients, OOD sets, checkpoints and exports; every client answering and none straggling"

@@ -133,9 +133,9 @@ def resume_config(run_dir: Path, overrides: dict) -> TrainConfig:
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Report:
     """Run (or continue) a federation on the builtin engine; returns the report also written to `report.json`.
-    (`peradapt.training.train` picks the engine the config names.)"""
+    (`peradapt.commands.training.train` picks the engine the config names.)"""
     if config.federation.engine != "builtin":
-        raise ConfigError(f"--engine {config.federation.engine}: train with peradapt.training.train")
+        raise ConfigError(f"--engine {config.federation.engine}: train with peradapt.commands.training.train")
     console = console or text_console(stderr=True)
     with opened_run(config, resume=resume, console=console) as run:
         return run_federation(run, LocalClients(run.session, console), console)

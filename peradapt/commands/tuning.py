@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from peradapt.commands.training import train
 from peradapt.config import OUTCOME_FREE, TrainConfig, method_path_label, search_space, settings_for_method
 from peradapt.errors import ConfigError, Interrupted, TrainingDiverged
 from peradapt.federation.engine import resume_config
@@ -59,7 +60,6 @@ from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths, read_report
 from peradapt.seeds import TUNING, derive_seed
 from peradapt.settings import Search, Setting
-from peradapt.training import train
 
 if TYPE_CHECKING:
     import optuna
