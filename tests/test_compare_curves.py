@@ -121,7 +121,4 @@ def test_the_mean_curve_keeps_the_rounds_every_seed_evaluated_and_each_seeds_end
     ]
     assert first_reaching(curve, 30.0) == curve[1]  # reached: at least the target
     assert first_reaching(curve, 50.5) is None
-    # A run from before costs were recorded: its costs, and so the method's, are unknown
-    unknown = [Evaluation(2, 50.0), Evaluation(4, 60.0)]
-    assert mean_curve([unknown, evaluations((2, 50.0), (4, 60.0))])[0].client_samples is None
     assert mean_curve([evaluations((3, 55.0))]) == [CurvePoint(3.0, 300.0, 3000.0, 55.0, 55.0, 55.0)]

@@ -34,6 +34,7 @@ from peradapt.errors import ConfigError, RunError
 from peradapt.flower import simulation
 from peradapt.flower.client import app as client_app
 from peradapt.flower.server import FlowerClients, deployed_config
+from peradapt.rundir.records import Report
 from peradapt.rundir.store import DiskClientStore
 
 from .conftest import settings
@@ -220,7 +221,7 @@ def two_supernodes(tmp_path: Path) -> list[dict]:
     return [{"partition-id": k, "num-partitions": 2, "run-dir": str(tmp_path / f"node{k}")} for k in range(2)]
 
 
-def train_on_grid(values: dict, grid: Grid, *, resume: bool = False) -> dict:
+def train_on_grid(values: dict, grid: Grid, *, resume: bool = False) -> Report:
     config = engine.resume_config(Path(values["out"]), values) if resume else TrainConfig.from_flat(values)
     console = Console(stderr=True, quiet=True)
     with engine.opened_run(config, resume=resume, console=console) as run:

@@ -231,7 +231,7 @@ def test_an_empty_mlflow_tracking_uri_means_the_runs_own_store(tmp_path, monkeyp
         monkeypatch.setenv(name, "")  # set, but empty, as `MLFLOW_TRACKING_URI=` in a job script leaves it
     tracker = MlflowTracker(tmp_path / "run")
     tracker.start(TrainConfig(), {}, None)
-    tracker.finish({"summary": {"personalized_local_test": 0.5}, "rounds": 1})
+    tracker.close()
     assert tracker.state() == {"run_id": tracker.run_id}  # no tracking URI kept: the run's own store
     assert (tmp_path / "run" / MLFLOW_DIR).is_dir()
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -257,14 +258,14 @@ def test_a_tracker_server_that_dies_during_the_run(tmp_path):
     from peradapt.federation.tracking import Tracking
 
     class DeadServer:
-        def log_round(self, record: dict) -> None:
+        def log_round(self, record) -> None:
             raise ConnectionError("Max retries exceeded\n  (Caused by NewConnectionError: refused)")
 
     tracking = Tracking(tmp_path, {})
     tracking.trackers["mlflow"], tracking.rounds["mlflow"] = DeadServer(), 0
     said = r"--log mlflow could not log round 1: Max retries exceeded \(Caused"
     with pytest.raises(MachineError, match=said) as error:
-        tracking.log_round({"round": 1})
+        tracking.log_round(SimpleNamespace(round=1))  # a round's record, of which `Tracking` reads the number
     assert "\n" not in str(error.value)
 
 

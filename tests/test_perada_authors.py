@@ -24,6 +24,7 @@ from peradapt.distill import Distiller
 from peradapt.evaluation import select_on_test
 from peradapt.methods import ClientUpdate, MethodContext
 from peradapt.methods.perada import PerAda
+from peradapt.rundir.records import PerClient, RoundCost, RoundRecord, RoundTiming
 from peradapt.rundir.store import ClientStore
 
 BATCH = 8
@@ -265,25 +266,31 @@ def test_distillation_images_at_their_own_size_and_statistics():
 # ---------------------------------------------------------------- reporting: selected on test data
 
 
+def round_record(number: int, global_global_test: float | None = None, personalized: list[float] | None = None):
+    """A round of clients 0 and 1, evaluated where the scores are given, with no traffic or work (zero costs)."""
+    per_client = None
+    if personalized is not None:
+        per_client = PerClient(clients=[0, 1], personalized_local_test=personalized, global_local_test=[0.0, 0.0])
+    return RoundRecord(
+        round=number,
+        clients=[0, 1],
+        global_global_test=global_global_test,
+        per_client=per_client,
+        bytes_down=[],
+        bytes_up=[],
+        client_samples=[],
+        cost=RoundCost(**RoundCost.totals([])),
+        timing=RoundTiming(client_seconds=0, aggregation_seconds=0, distillation_seconds=0, peak_rss_bytes=0),
+    )
+
+
 def test_selection_on_test_takes_each_clients_best_round():
     """optim/our.py save_checkpoints: per client the checkpoint of its best local-test; the global model of the
     best global-test round."""
     history = [
-        {
-            "round": 2,
-            "global_global_test": 0.5,
-            "per_client": {"clients": [0, 1], "personalized_local_test": [0.6, 0.9], "global_local_test": [0.1, 0.2]},
-        },
-        {"round": 3},  # not evaluated
-        {
-            "round": 4,
-            "global_global_test": 0.7,
-            "per_client": {
-                "clients": [0, 1],
-                "personalized_local_test": [0.8, float("nan")],
-                "global_local_test": [0.1, 0.2],
-            },
-        },
+        round_record(2, global_global_test=0.5, personalized=[0.6, 0.9]),
+        round_record(3),  # not evaluated
+        round_record(4, global_global_test=0.7, personalized=[0.8, float("nan")]),
     ]
     final = {"clients": [0, 1], "personalized": {"local_test": [0.7, 0.85]}, "global": {"global_test": 0.6}}
     selected = select_on_test(history, 6, final)

@@ -335,20 +335,15 @@ def _facts(run: Path, ood: str | None, ood_limit: int | None, console: Console) 
 
 def _evaluations(run: Path, report: Report) -> list[Evaluation]:
     """The run's local-test (percent) at each evaluated round, the last round's from report.json, with the client
-    samples and bytes spent up to it (metrics.jsonl `cost`; None from a round recorded before costs were on)."""
+    samples and bytes spent up to it (the round records' `cost`; at the end, report.json's: all rounds')."""
     history = read_metrics(RunPaths(run).metrics)
-    spent: dict[int, tuple[int, int]] = {}
+    spent = {report.rounds: (report.cost.client_samples, report.cost.bytes_down + report.cost.bytes_up)}
     samples = sent = 0
     for record in history:
-        if "cost" not in record:  # a sum that misses a round would understate every later one
-            break
-        samples += record["cost"]["client_samples"]
-        sent += record["cost"]["bytes_down"] + record["cost"]["bytes_up"]
-        spent[record["round"]] = (samples, sent)
-    return [
-        Evaluation(played, score, *spent.get(played, (None, None)))
-        for played, score in round_curve(history, report, ROUND_KEY)
-    ]
+        samples += record.cost.client_samples
+        sent += record.cost.bytes_down + record.cost.bytes_up
+        spent[record.round] = (samples, sent)
+    return [Evaluation(played, score, *spent[played]) for played, score in round_curve(history, report, ROUND_KEY)]
 
 
 def _target(given: float | None, rows: list[dict]) -> dict:

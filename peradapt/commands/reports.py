@@ -29,10 +29,10 @@ from peradapt.evaluation.plots import (
     plot_per_client,
 )
 from peradapt.rundir.checkpoint import write_json_atomic, write_text_atomic
-from peradapt.rundir.files import ROUND_RECORD, check, damaged, read_json, read_text
+from peradapt.rundir.files import check, damaged, read_json, read_text
 from peradapt.rundir.layout import RunPaths, read_report, read_run_config
 from peradapt.rundir.lock import RunLock
-from peradapt.rundir.records import Report, Stats
+from peradapt.rundir.records import Report, RoundRecord, Stats
 
 DEFAULT_OUT = Path("reports")
 OOD_PREFIX = "ood-"
@@ -101,7 +101,7 @@ def _load_run(run: Path) -> dict:
     }
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path) -> list[RoundRecord]:
     """A run's metrics.jsonl, a record per round, each checked."""
     if not path.is_file():
         return []  # only the final evaluation to show
@@ -115,8 +115,7 @@ def read_metrics(path: Path) -> list[dict]:
             record = json.loads(line)
         except ValueError as exc:
             raise damaged(path, f"line {number} is not JSON: {exc}", remedy) from None
-        check(record, ROUND_RECORD, path, remedy, f"line {number}")
-        records.append(record)
+        records.append(RoundRecord.from_json(record, path, remedy, f"line {number}"))
     return records
 
 
@@ -170,10 +169,10 @@ def _label_runs(loaded: list[dict]) -> None:
 # ---------------------------------------------------------------- what the plots and the table show
 
 
-def round_curve(history: list[dict], report: Report, key: str) -> list[tuple[int, float]]:
-    """(round, percent) of a metrics.jsonl key at the run's evaluated rounds, in order; the last round's point is
-    the final evaluation (report.json), which every run has, even one trained with --eval-every 0."""
-    points = {int(record["round"]): 100 * float(record[key]) for record in history if key in record}
+def round_curve(history: list[RoundRecord], report: Report, key: str) -> list[tuple[int, float]]:
+    """(round, percent) of a round record's score `key` at the run's evaluated rounds, in order; the last round's
+    point is the final evaluation (report.json), which every run has, even one trained with --eval-every 0."""
+    points = {record.round: 100 * float(getattr(record, key)) for record in history if getattr(record, key) is not None}
     final = report.scores()
     if key in final:
         points[report.rounds] = _percent(final[key])  # the last round ends where report.json says

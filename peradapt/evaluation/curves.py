@@ -23,12 +23,12 @@ import numpy as np
 @dataclass(frozen=True)
 class Evaluation:
     """One run's score (percent) after `round` rounds, and what its clients had spent by then: training samples and
-    bytes, down and up (None in a run from before costs were recorded)."""
+    bytes, down and up."""
 
     round: int
     score: float
-    client_samples: int | None = None
-    bytes: int | None = None
+    client_samples: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class CurvePoint:
     and, under --budget, in rounds played), `mean` the seeds' mean score and `low`/`high` their range."""
 
     round: float
-    client_samples: float | None
-    bytes: float | None
+    client_samples: float
+    bytes: float
     mean: float
     low: float
     high: float
@@ -47,17 +47,13 @@ class CurvePoint:
         return dataclasses.asdict(self)
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    return None if any(value is None for value in values) else float(np.mean(values))
-
-
 def _point(evaluations: Sequence[Evaluation]) -> CurvePoint:
     """The seeds' evaluations at one point of the curve."""
     scores = [evaluation.score for evaluation in evaluations]
     return CurvePoint(
         round=float(np.mean([evaluation.round for evaluation in evaluations])),
-        client_samples=_mean([evaluation.client_samples for evaluation in evaluations]),
-        bytes=_mean([evaluation.bytes for evaluation in evaluations]),
+        client_samples=float(np.mean([evaluation.client_samples for evaluation in evaluations])),
+        bytes=float(np.mean([evaluation.bytes for evaluation in evaluations])),
         mean=float(np.mean(scores)),
         low=min(scores),
         high=max(scores),

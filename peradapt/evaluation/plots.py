@@ -235,17 +235,16 @@ def plot_curves(
     curves: Mapping[str, Sequence[CurvePoint]], x: str, x_name: str, y_name: str, target: float, path: Path
 ) -> Path:
     """A line per method through its seeds' mean score at each evaluation against `x` (a `CurvePoint` field:
-    round, client_samples or bytes), shaded over the seeds' range, with the target as a dotted line. A method whose
-    runs lack that cost is left out; cost axes are `_cost_scale`d."""
+    round, client_samples or bytes), shaded over the seeds' range, with the target as a dotted line; cost axes are
+    `_cost_scale`d."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
     figure = _figure(ROUNDS_SIZE)
     axis = figure.subplots()
-    drawn = {method: curve for method, curve in curves.items() if all(getattr(p, x) is not None for p in curve)}
     handles = []
-    for (method, curve), color in zip(drawn.items(), _colors(len(drawn)), strict=True):
+    for (method, curve), color in zip(curves.items(), _colors(len(curves)), strict=True):
         xs = [getattr(point, x) for point in curve]
         axis.fill_between(xs, [p.low for p in curve], [p.high for p in curve], color=color, alpha=0.2, lw=0)
         axis.plot(xs, [p.mean for p in curve], "o-", markersize=4, color=color)
@@ -258,7 +257,7 @@ def plot_curves(
     if x == "round":
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
-        _cost_scale(axis, [getattr(point, x) for curve in drawn.values() for point in curve])
+        _cost_scale(axis, [getattr(point, x) for curve in curves.values() for point in curve])
     axis.set_xlabel(x_name)
     axis.set_ylabel(f"{y_name}\n(line: mean over seeds; shaded: min to max)")
     axis.grid(alpha=0.3)

@@ -14,30 +14,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from peradapt.compute.metrics import summary
-from peradapt.rundir.records import Best, SelectedOnTest, Stats
+from peradapt.rundir.records import Best, PerClient, RoundRecord, SelectedOnTest, Stats
 
 
-def per_client_record(evaluation: dict) -> dict:
+def per_client_record(evaluation: dict) -> PerClient:
     """What a round's record keeps of an evaluation, client by client, so that a selection can be made later."""
-    return {
-        "clients": evaluation["clients"],
-        "personalized_local_test": evaluation["personalized"]["local_test"],
-        "global_local_test": evaluation["global"]["local_test"],
-    }
+    return PerClient(
+        clients=evaluation["clients"],
+        personalized_local_test=evaluation["personalized"]["local_test"],
+        global_local_test=evaluation["global"]["local_test"],
+    )
 
 
-def select_on_test(history: Sequence[dict], final_round: int, final: dict) -> SelectedOnTest:
+def select_on_test(history: Sequence[RoundRecord], final_round: int, final: dict) -> SelectedOnTest:
     """Per client the best personalized local-test over the evaluated rounds and the final one, and the best
     global-test of the global model over the same rounds, each with the round it came from."""
     best: dict[int, tuple[float, int]] = {}
     global_best = (final["global"]["global_test"], final_round)
-    evaluated = [(record["round"], record) for record in history if "per_client" in record]
+    evaluated = [(record.round, record) for record in history if record.per_client is not None]
     for round_number, record in [*evaluated, (final_round, None)]:
         if record is None:
             clients, values = final["clients"], final["personalized"]["local_test"]
         else:
-            clients, values = record["per_client"]["clients"], record["per_client"]["personalized_local_test"]
-            global_value = record.get("global_global_test", float("nan"))
+            clients, values = record.per_client.clients, record.per_client.personalized_local_test
+            global_value = float("nan") if record.global_global_test is None else record.global_global_test
             if _better(global_value, global_best[0]):
                 global_best = (global_value, round_number)
         for client, value in zip(clients, values, strict=True):

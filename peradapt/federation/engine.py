@@ -78,24 +78,26 @@ from peradapt.rundir.checkpoint import (
 from peradapt.rundir.files import damaged, first_missing
 from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
-from peradapt.rundir.records import Budget, Cost, Global, Parameters, Personalized, Report, Stats, Timing
+from peradapt.rundir.records import (
+    Budget,
+    Cost,
+    Global,
+    ParameterCounts,
+    Parameters,
+    Personalized,
+    Report,
+    RoundCost,
+    RoundRecord,
+    RoundTiming,
+    Stats,
+    Timing,
+)
 from peradapt.seeds import SERVER, answering, derive_seed, sample_clients, straggler_shares
 
 # What --resume lets change: --rounds (a run may go on), and every setting no result depends on
 RESUMABLE_CHANGES = ("rounds", *OUTCOME_FREE)
 GLOBAL_PREFIX = "global/"
 SERVER_PREFIX = "server/"  # the method's server state (`Method.server_state`) in round checkpoints
-SECONDS = ("client_seconds", "aggregation_seconds", "distillation_seconds")  # a round's `timing`, summed by the report
-ROUND_COSTS = (  # a round's `cost`, summed by the report
-    "bytes_down",
-    "bytes_up",
-    "client_samples",
-    "client_flops",
-    "server_samples",
-    "server_flops",
-    "evaluation_samples",
-    "evaluation_flops",
-)
 _CLIENT_TENSOR = re.compile(r"clients/\d+/\w+/.+")  # a client state in a checkpoint (`ClientStore`)
 
 
@@ -148,7 +150,7 @@ class PreparedRun:
     session: Session
     paths: RunPaths
     global_state: AdapterState
-    history: list[dict]
+    history: list[RoundRecord]
     tracking: Tracking | None = None  # --log: the experiment trackers (peradapt.federation.tracking)
 
 
@@ -235,14 +237,13 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
 
 
 def _restored(
-    session: Session, checkpoint: tuple[dict[str, torch.Tensor], dict] | None, paths: RunPaths
-) -> tuple[AdapterState, list[dict]]:
+    session: Session, checkpoint: tuple[dict[str, torch.Tensor], list[RoundRecord]] | None, paths: RunPaths
+) -> tuple[AdapterState, list[RoundRecord]]:
     """The global state and round records of `checkpoint` (None: the run starts at round 1), whose tensors are
     checked against the session before its client store and the method's server state are restored to them."""
     global_state, history, tensors = session.initial, [], {}
     if checkpoint is not None:
-        tensors, meta = checkpoint
-        history = meta["metrics"]
+        tensors, history = checkpoint
         _check_checkpoint(session, tensors, checkpoint_path(paths.checkpoints, len(history)))
         global_state = {
             k[len(GLOBAL_PREFIX) :]: v.to(session.device) for k, v in tensors.items() if k.startswith(GLOBAL_PREFIX)
@@ -294,9 +295,9 @@ def _check_rounds_to_play(paths: RunPaths, rounds: int) -> None:
         )
 
 
-def _metrics_lines(history: list[dict]) -> str:
+def _metrics_lines(history: list[RoundRecord]) -> str:
     """metrics.jsonl: a JSON line per round."""
-    return "".join(json.dumps(record) + "\n" for record in history)
+    return "".join(json.dumps(record.to_json()) + "\n" for record in history)
 
 
 def _already_a_run(run_dir: Path) -> RunError:
@@ -551,10 +552,10 @@ def personalization_reserve(session: Session) -> int:
     return sum(session.method.personalization_samples(client) for client in session.federated_clients)
 
 
-def budget_reached(history: list[dict], limit: int, reserve: int) -> bool:
+def budget_reached(history: list[RoundRecord], limit: int, reserve: int) -> bool:
     """Whether the rounds of `history` used up --budget client-samples:`limit` (less `reserve`): their samples
     reach it, or the last round trained only what was left of it (`budget_share`)."""
-    return client_samples(history) + reserve >= limit or bool(history and "budget_share" in history[-1])
+    return client_samples(history) + reserve >= limit or bool(history and history[-1].budget_share is not None)
 
 
 def budget_share(session: Session, left: float, trained: list[int], shares: dict[int, float]) -> float | None:
@@ -604,7 +605,7 @@ def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console)
 def _run_rounds(
     session: Session,
     global_state: dict,
-    history: list,
+    history: list[RoundRecord],
     paths: RunPaths,
     console: Console,
     clients: Clients,
@@ -666,54 +667,56 @@ def _run_rounds(
                 now - before for now, before in zip(_distiller_samples(distiller), server_samples, strict=True)
             )
             progress.remove_task(server_bar)
-            record = {"round": round_index + 1, "clients": sampled, **_mean_client_metrics(updates), **server_metrics}
-            if trained != sampled:
-                record["trained_clients"] = len(trained)
-            if len(trained) < len(asked):
-                record["unanswered"] = [client_id for client_id in asked if client_id not in answered]
-            if stragglers:
-                record["stragglers"] = {str(client_id): share for client_id, share in stragglers.items()}
-            if cut is not None:
-                record["budget_share"] = cut
-            record.update(round_epsilons(session.trainer.privacy, session.store, aggregated))
-            evaluation_samples = 0
+            epsilons = round_epsilons(session.trainer.privacy, session.store, aggregated)
+            scores, evaluation_samples = {}, 0
             if fed.eval_every and (round_index + 1) % fed.eval_every == 0:
                 evaluated = session.client_sample  # after this round, whose checkpoint is not written yet
                 personalized = clients.personalized(
                     evaluated, global_state, played=round_index + 1, checkpointed=round_index
                 )
                 evaluation = _evaluate(session, personalized, global_state, evaluated)
-                record.update(summarize(evaluation))
-                record["per_client"] = per_client_record(evaluation)  # for the authors' selection on test data
+                # with each client's scores, for the authors' selection on test data
+                scores = {**summarize(evaluation), "per_client": per_client_record(evaluation)}
                 evaluation_samples = sum(method.personalization_samples(client) for client in evaluated)
-            record.update(clients.traffic())
-            if updates:  # what a client trains and sends, as measured (`ClientWork.trained`, `costs.elements`)
-                record["parameter_counts"] = {
-                    "trained": max(update.work.trained for update in updates),
-                    "communicated": max(elements(update.upload) for update in updates),
-                }
+            traffic = clients.traffic()
             samples = [update.work.samples for update in updates]  # `updates` are in the order of `trained`
-            record["client_samples"] = samples
-            record["cost"] = {  # the round's totals: deterministic, identical on --resume
-                "bytes_down": sum(record["bytes_down"]),
-                "bytes_up": sum(record["bytes_up"]),
-                "client_samples": sum(samples),
-                "client_flops": sum(samples) * flops.training,
-                # the server's distillation: the student's training samples, and all of it in FLOPs
-                "server_samples": server_trained,
-                "server_flops": server_trained * flops.training + server_inferred * flops.inference,
-                # the personalization (fine-tuning) that scoring the clients' models after this round took: what
-                # --eval-every costs, apart from the method's own training
-                "evaluation_samples": evaluation_samples,
-                "evaluation_flops": evaluation_samples * flops.training,
-            }
-            # What differs from run to run of the same settings, under one key (see `peradapt.compute.costs`)
-            record["timing"] = {
-                "client_seconds": sum(update.work.seconds for update in updates),
-                "aggregation_seconds": server_seconds - distillation_seconds,
-                "distillation_seconds": distillation_seconds,
-                **peak_memory(session.device),
-            }
+            counts = None  # what a client trains and sends, as measured (`ClientWork.trained`, `costs.elements`)
+            if updates:
+                counts = ParameterCounts(
+                    trained=max(update.work.trained for update in updates),
+                    communicated=max(elements(update.upload) for update in updates),
+                )
+            record = RoundRecord(
+                round=round_index + 1,
+                clients=sampled,
+                metrics={**_mean_client_metrics(updates), **server_metrics},
+                trained_clients=len(trained) if trained != sampled else None,
+                unanswered=[c for c in asked if c not in answered] if len(trained) < len(asked) else None,
+                stragglers={str(client_id): share for client_id, share in stragglers.items()} or None,
+                budget_share=cut,
+                **epsilons,
+                **scores,
+                **traffic,
+                parameter_counts=counts,
+                client_samples=samples,
+                cost=RoundCost(
+                    bytes_down=sum(traffic["bytes_down"]),
+                    bytes_up=sum(traffic["bytes_up"]),
+                    client_samples=sum(samples),
+                    client_flops=sum(samples) * flops.training,
+                    server_samples=server_trained,
+                    server_flops=server_trained * flops.training + server_inferred * flops.inference,
+                    # what --eval-every costs, apart from the method's own training
+                    evaluation_samples=evaluation_samples,
+                    evaluation_flops=evaluation_samples * flops.training,
+                ),
+                timing=RoundTiming(
+                    client_seconds=sum(update.work.seconds for update in updates),
+                    aggregation_seconds=server_seconds - distillation_seconds,
+                    distillation_seconds=distillation_seconds,
+                    **peak_memory(session.device),
+                ),
+            )
             with deferred_interrupts():  # Ctrl-C: after the round's checkpoint, not between its files
                 history.append(record)
                 _save_round(session, global_state, history, paths)
@@ -728,9 +731,9 @@ def _distiller_samples(distiller: Distiller | None) -> tuple[int, int]:
     return (distiller.samples_trained, distiller.samples_inferred) if distiller else (0, 0)
 
 
-def client_samples(history: list[dict]) -> int:
+def client_samples(history: list[RoundRecord]) -> int:
     """The client training samples of the rounds of `history`, which --budget client-samples:N stops at."""
-    return sum(record["cost"]["client_samples"] for record in history)
+    return sum(record.cost.client_samples for record in history)
 
 
 def _client_progress(session: Session, progress: Progress | ProgressLines, bar: int) -> Callable[[int], None]:
@@ -769,28 +772,28 @@ def _mean_client_metrics(updates: list) -> dict[str, float]:
     return {name: float(np.mean([u.metrics[name] for u in updates])) for name in names}
 
 
-def _round_description(record: dict) -> str:
-    parts = [f"round {record['round']}"]
-    if "local_loss" in record:
-        parts.append(f"loss {record['local_loss']:.3f}")
-    if "personalized_local_test" in record:
-        parts.append(f"local-test {100 * record['personalized_local_test']:.1f}%")
+def _round_description(record: RoundRecord) -> str:
+    parts = [f"round {record.round}"]
+    if "local_loss" in record.metrics:
+        parts.append(f"loss {record.metrics['local_loss']:.3f}")
+    if record.personalized_local_test is not None:
+        parts.append(f"local-test {100 * record.personalized_local_test:.1f}%")
     return "  ".join(parts)
 
 
-def _save_round(session: Session, global_state: dict, history: list, paths: RunPaths) -> None:
+def _save_round(session: Session, global_state: dict, history: list[RoundRecord], paths: RunPaths) -> None:
     tensors = {GLOBAL_PREFIX + name: tensor for name, tensor in global_state.items()}
     tensors.update({SERVER_PREFIX + name: tensor for name, tensor in session.method.server_state().items()})
     tensors.update(session.store.checkpoint_tensors())
     write_text_atomic(paths.metrics, _metrics_lines(history))
-    save_checkpoint(paths.checkpoints, len(history), tensors, {"metrics": history})
+    save_checkpoint(paths.checkpoints, len(history), tensors, history)
     session.store.commit(len(history))
 
 
 def _finish(
     session: Session,
     global_state: dict,
-    history: list[dict],
+    history: list[RoundRecord],
     paths: RunPaths,
     console: Console,
     clients: Clients,
@@ -821,10 +824,10 @@ def _finish(
     return report
 
 
-def _first_trained(history: list[dict]) -> int:
+def _first_trained(history: list[RoundRecord]) -> int:
     """The first client that trained in the rounds of `history` (client 0 if none did)."""
     for record in history:
-        answered = [c for c in record["clients"] if c not in record.get("unanswered", [])]
+        answered = [c for c in record.clients if c not in (record.unanswered or [])]
         if answered:
             return answered[0]
     return 0
@@ -872,7 +875,7 @@ def exporting(
 def build_report(
     session: Session,
     evaluation: dict,
-    history: list[dict],
+    history: list[RoundRecord],
     flops: SampleFlops,
     *,
     personalized_elements: int,
@@ -919,14 +922,16 @@ def build_report(
     )
 
 
-def cost_report(session: Session, history: list[dict], flops: SampleFlops, personalized_elements: int) -> Cost:
+def cost_report(session: Session, history: list[RoundRecord], flops: SampleFlops, personalized_elements: int) -> Cost:
     """report.json's `cost`: the rounds' costs (their records' `cost` and `timing`) in total, the final
     personalization's, with the method's parameter counts and the budget."""
-    rounds = {key: sum(record["cost"][key] for record in history) for key in ROUND_COSTS}
-    client_rounds = sum(len(record["bytes_up"]) for record in history)
-    timings = [record["timing"] for record in history]
+    rounds = RoundCost.totals([record.cost for record in history])
+    client_rounds = sum(len(record.bytes_up) for record in history)
+    timings = [record.timing for record in history]
     now = peak_memory(session.device)  # the final evaluation's too
-    cuda = [t["peak_cuda_bytes"] for t in [*timings, now] if "peak_cuda_bytes" in t]
+    rss = [*(t.peak_rss_bytes for t in timings), now["peak_rss_bytes"]]
+    cuda = [peak for peak in (*(t.peak_cuda_bytes for t in timings), now.get("peak_cuda_bytes")) if peak is not None]
+    counts = [record.parameter_counts for record in history if record.parameter_counts is not None]
     limit = budget_limit(session.config)
     personalization = personalization_reserve(session)
     return Cost(
@@ -942,10 +947,8 @@ def cost_report(session: Session, history: list[dict], flops: SampleFlops, perso
         # trained and sent (`parameter_counts` of the round records)
         parameters=Parameters(
             personalized=personalized_elements,
-            **{
-                key: max((r["parameter_counts"][key] for r in history if "parameter_counts" in r), default=0)
-                for key in ("trained", "communicated")
-            },
+            trained=max((count.trained for count in counts), default=0),
+            communicated=max((count.communicated for count in counts), default=0),
         ),
         budget=None
         if limit is None
@@ -955,8 +958,10 @@ def cost_report(session: Session, history: list[dict], flops: SampleFlops, perso
             reached=budget_reached(history, limit, personalization),
         ),
         timing=Timing(
-            **{key: sum(t[key] for t in timings) for key in SECONDS},
-            peak_rss_bytes=max(t["peak_rss_bytes"] for t in [*timings, now]),
+            client_seconds=sum(t.client_seconds for t in timings),
+            aggregation_seconds=sum(t.aggregation_seconds for t in timings),
+            distillation_seconds=sum(t.distillation_seconds for t in timings),
+            peak_rss_bytes=max(rss),
             peak_cuda_bytes=max(cuda, default=None),
         ),
     )

@@ -29,7 +29,7 @@ from peradapt.errors import ConfigError, MachineError, PeradaptError
 from peradapt.home import environment_setting
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.files import check, read_json
-from peradapt.rundir.records import Report
+from peradapt.rundir.records import Report, RoundRecord
 
 TRACKERS_FILE = "trackers.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -86,7 +86,7 @@ class Tracker(Protocol):
     def start(self, config: TrainConfig, resolved: dict, resume_state: dict | None) -> None:
         """Open the backend's run: a new one (`resume_state` None) or the one `resume_state` names."""
 
-    def log_round(self, record: dict) -> None:
+    def log_round(self, record: RoundRecord) -> None:
         """A round's record (a line of metrics.jsonl), at step = its round."""
 
     def finish(self, report: Report) -> None:
@@ -121,9 +121,9 @@ class TensorBoardTracker:
         self.writer.add_text("config", text, global_step=resume_state.get("round", 0) if resume_state else 0)
         self.writer.flush()
 
-    def log_round(self, record: dict) -> None:
-        for key, value in numeric(record).items():
-            self.writer.add_scalar(key, value, record["round"])
+    def log_round(self, record: RoundRecord) -> None:
+        for key, value in numeric(record.to_json()).items():
+            self.writer.add_scalar(key, value, record.round)
         self.writer.flush()  # trackers.json says the round is logged right after
 
     def finish(self, report: Report) -> None:
@@ -159,8 +159,8 @@ class WandbTracker:
         self.run = wandb.init(project=project, name=self.name, settings=settings, **resume)
         self.run.config.update(hyperparameters(config, resolved), allow_val_change=True)  # resumable changes
 
-    def log_round(self, record: dict) -> None:
-        self.run.log(numeric(record), step=record["round"])
+    def log_round(self, record: RoundRecord) -> None:
+        self.run.log(numeric(record.to_json()), step=record.round)
 
     def finish(self, report: Report) -> None:
         self.run.summary.update(final_numbers(report))
@@ -219,8 +219,8 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
-    def log_round(self, record: dict) -> None:
-        self._log(numeric(record), record["round"])
+    def log_round(self, record: RoundRecord) -> None:
+        self._log(numeric(record.to_json()), record.round)
 
     def finish(self, report: Report) -> None:
         self._log(final_numbers(report), report.rounds)
@@ -250,12 +250,12 @@ class Tracking:
         self.rounds: dict[str, int] = {}
         self.finished = False
 
-    def log_round(self, record: dict) -> None:
-        behind = [name for name in self.trackers if record["round"] > self.rounds[name]]
+    def log_round(self, record: RoundRecord) -> None:
+        behind = [name for name in self.trackers if record.round > self.rounds[name]]
         for name in behind:
-            with _backend(name, f"could not log round {record['round']}"):
+            with _backend(name, f"could not log round {record.round}"):
                 self.trackers[name].log_round(record)
-            self.rounds[name] = record["round"]
+            self.rounds[name] = record.round
         if behind:
             self._save()
 
@@ -279,7 +279,7 @@ class Tracking:
 
 
 def open_tracking(
-    config: TrainConfig, run_dir: Path, *, resolved: dict, history: list[dict], resume: bool
+    config: TrainConfig, run_dir: Path, *, resolved: dict, history: list[RoundRecord], resume: bool
 ) -> Tracking | None:
     """Start the trackers of `config.log` (None: none), continuing the runs `trackers.json` names on `resume`, and
     log the rounds of `history` they have not logged."""

@@ -150,9 +150,8 @@ class PeradaptStrategy:
 
     def traffic(self) -> dict:
         """The round's bytes: sent to (`bytes_down`) and by (`bytes_up`) each client of its training, in the order
-        of the record's `clients` (all federated clients in id order when the record has `trained_clients`); all
-        personalized-adapter exchanges of its evaluation (`bytes_evaluation`); and the full model's size
-        (`bytes_full_model`)."""
+        they were asked (see `RoundRecord.trained_clients`); all personalized-adapter exchanges of its evaluation
+        (`bytes_evaluation`); and the full model's size (`bytes_full_model`)."""
         sampled = list(self._down)
         record = {
             "bytes_down": [self._down[c] for c in sampled],

@@ -1,6 +1,6 @@
 """Round checkpoints: one safetensors file per round, written atomically; only the newest is kept.
 
-A checkpoint holds tensors (global adapter, client store) and JSON metadata (round, metrics so far). No pickle
+A checkpoint holds tensors (global adapter, client store) and JSON metadata (the round records so far). No pickle
 is involved, so a checkpoint from anywhere is safe to load.
 """
 
@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from peradapt.errors import writing
 from peradapt.progress import counted
-from peradapt.rundir.files import ROUND_RECORD, check, damaged
+from peradapt.rundir.files import damaged
+from peradapt.rundir.records import CheckpointMeta, RoundRecord
 
 _META_KEY = "peradapt"
 _PATTERN = "round-*.safetensors"
@@ -42,7 +43,9 @@ def redo_from_round_1(directory: Path) -> str:
     )
 
 
-def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+def save_checkpoint(
+    directory: Path, completed_rounds: int, tensors: dict[str, torch.Tensor], history: list[RoundRecord]
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, completed_rounds)
     tmp = path.with_suffix(".tmp")
@@ -54,16 +57,17 @@ def save_checkpoint(directory: Path, completed_rounds: int, tensors: dict[str, t
         seen.add(tensor.data_ptr())
         contiguous[name] = tensor
     with replaced_by_temporary(path, tmp), writing(tmp):
-        save_file(contiguous, str(tmp), metadata={_META_KEY: json.dumps(meta)})
+        save_file(contiguous, str(tmp), metadata={_META_KEY: json.dumps(CheckpointMeta(metrics=history).to_json())})
     for older in directory.glob(_PATTERN):
         if older != path:
             older.unlink()
     return path
 
 
-def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """The tensors and metadata of the newest checkpoint in `directory`, checked (None: there is none). Older ones,
-    left by a run killed between writing a checkpoint and deleting its predecessor, are deleted once it loads."""
+def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], list[RoundRecord]] | None:
+    """The tensors and round records of the newest checkpoint in `directory`, checked (None: there is none). Older
+    ones, left by a run killed between writing a checkpoint and deleting its predecessor, are deleted once it
+    loads."""
     candidates = sorted(directory.glob(_PATTERN))
     if not candidates:
         return None
@@ -81,15 +85,15 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
         meta = json.loads(metadata[_META_KEY])
     except ValueError as exc:
         raise damaged(path, f"its metadata is not JSON: {exc}", remedy) from None
-    check(meta, {"metrics": [ROUND_RECORD]}, path, remedy, "metadata")
-    rounds = [record["round"] for record in meta["metrics"]]
+    history = CheckpointMeta.from_json(meta, path, remedy, "metadata").metrics
+    rounds = [record.round for record in history]
     if path != checkpoint_path(directory, len(rounds)):
         raise damaged(path, f"its metadata records {counted(len(rounds), 'round')}, not the number in its name", remedy)
     if rounds != list(range(1, len(rounds) + 1)):
         raise damaged(path, "the rounds of its metadata are not numbered 1, 2, 3, ...", remedy)
     for older in candidates[:-1]:
         older.unlink()
-    return tensors, meta
+    return tensors, history
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -1,9 +1,9 @@
 """What the files of a run directory must hold, and the one-line RunError that names a damaged one and its remedy.
 
-Every reader of a run's JSON files (config.json, partition.json, metrics.jsonl, checkpoint metadata) checks the
-structure it relies on here, where the file is read, so that a truncated, edited or foreign file is refused with its
-path and what to do, instead of a KeyError or TypeError deep inside a command; report.json is a typed record
-(`records.Report`), whose fields are its structure.
+Every reader of a run's JSON files (config.json, partition.json) checks the structure it relies on here, where the
+file is read, so that a truncated, edited or foreign file is refused with its path and what to do, instead of a
+KeyError or TypeError deep inside a command; report.json, metrics.jsonl's rounds and a checkpoint's metadata are
+typed records (`records.Report`, `RoundRecord`, `CheckpointMeta`), whose fields are their structure.
 
 A structure is written as a Python value: a type (`float` takes whole numbers too; neither `int` nor `float` takes
 a bool), `[item]` (a list of items), `{key: value}` (an object with those keys; a key ending in `?` may be absent)
@@ -41,39 +41,6 @@ RESOLVED = {
     "image_size?": int,
     "skipped_images?": [str],  # undecodable images left out (--skip-bad-images)
     "lam_auto?": {"lam": float},
-}
-ROUND_RECORD = {  # a line of metrics.jsonl, a record of a checkpoint's "metrics"
-    "round": int,
-    "personalized_local_test?": float,
-    "global_local_test?": float,
-    "personalized_global_test?": float,
-    "global_global_test?": float,
-    # the traffic and work of the round (`engine._run_rounds`); rounds from before costs were recorded lack them
-    "bytes_down?": [int],
-    "bytes_up?": [int],
-    "client_samples?": [int],
-    "cost?": {
-        "bytes_down": int,
-        "bytes_up": int,
-        "client_samples": int,
-        "client_flops": int,
-        # rounds from before issue 36 lack these
-        "server_samples?": int,
-        "server_flops?": int,
-        "evaluation_samples?": int,
-        "evaluation_flops?": int,
-    },
-    "unanswered?": [int],  # --participation: the clients asked that did not answer
-    "stragglers?": {str: float},  # --stragglers: client id -> the share of its work it did
-    "budget_share?": float,  # --budget: the share of their work the last round's clients did
-    "parameter_counts?": {"trained": int, "communicated": int},  # per client, the most of the round's updates
-    "timing?": {
-        "client_seconds": float,
-        "aggregation_seconds": float,
-        "distillation_seconds": float,
-        "peak_rss_bytes": int,
-        "peak_cuda_bytes?": int,
-    },
 }
 
 

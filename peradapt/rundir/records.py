@@ -5,11 +5,14 @@ against the fields' annotations (`int`, `float`, which takes whole numbers too, 
 nested record, `X | None`: may be null) and refuses a file that departs from them with the one-line damaged-file
 RunError (`files.damaged`); `to_json` writes the keys in the order of the fields. A field with a default may be
 absent and is not written while it is None (what a run without --dp-noise, a small federation, ... leaves out). A
-field's key is its name without a trailing underscore (`global_`: "global").
+field's key is its name without a trailing underscore (`global_`: "global"). A field with the metadata `REST` (a
+round's method metrics) holds the keys that no other field names, written in its place among them. metrics.jsonl's
+lines and a checkpoint's "metrics" are `RoundRecord`s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -29,24 +32,38 @@ class Record:
     """The base of the typed records: `from_json` and `to_json` from the fields (see the module docstring)."""
 
     @classmethod
-    def from_json(cls, data: Any, path: Path, remedy: str) -> Self:
-        """The record in `data`, read from `path`; one that departs from the fields is refused naming `remedy`."""
+    def from_json(cls, data: Any, path: Path, remedy: str, where: str = "") -> Self:
+        """The record in `data`, read from `path` (at `where` in it); one that departs from the fields is refused
+        naming `remedy`."""
         try:
-            return _read(data, cls, "")
+            return _read(data, cls, where)
         except _Mismatch as exc:
             raise damaged(path, str(exc), remedy) from None
 
     def to_json(self) -> dict:
-        return {
-            field.name.rstrip("_"): _written(value)
-            for field in fields(self)
-            if (value := getattr(self, field.name)) is not None or field.default is MISSING
-        }
+        written: dict[str, Any] = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.metadata.get(_REST):
+                written.update(_written(value))
+            elif value is not None or field.default is MISSING:
+                written[field.name.rstrip("_")] = _written(value)
+        return written
+
+
+_REST = "rest"
+REST = {_REST: True}  # a field's metadata: it holds the keys that no other field names (a dict)
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _named(cls: type) -> frozenset[str]:
+    """The keys of the fields of `cls` but a `REST` one."""
+    return frozenset(field.name.rstrip("_") for field in fields(cls) if not field.metadata.get(_REST))
 
 
 def _read(value: Any, hint: Any, where: str) -> Any:
@@ -60,7 +77,10 @@ def _read(value: Any, hint: Any, where: str) -> Any:
         read = {}
         for field in fields(hint):
             key = field.name.rstrip("_")
-            if key in value:
+            if field.metadata.get(_REST):
+                others = {k: v for k, v in value.items() if k not in _named(hint)}
+                read[field.name] = _read(others, _hints(hint)[field.name], where)
+            elif key in value:
                 read[field.name] = _read(value[key], _hints(hint)[field.name], f"{where}.{key}" if where else key)
             elif field.default is MISSING:
                 raise _Mismatch(f'{place} has no "{key}"')
@@ -232,3 +252,94 @@ class Report(Record):
             "global_local_test": self.global_.local_test,
             "global_global_test": self.global_.global_test,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerClient(Record):
+    """A round's evaluation client by client, kept for the authors' selection on test data (`evaluation.selection`)."""
+
+    clients: list[int]
+    personalized_local_test: list[float]
+    global_local_test: list[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParameterCounts(Record):
+    """Per client, the most of a round's updates: the elements it trained and those it sent (`Parameters`)."""
+
+    trained: int
+    communicated: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundCost(Record):
+    """A round's totals: deterministic, identical on --resume; report.json's `cost` sums them over the rounds."""
+
+    bytes_down: int
+    bytes_up: int
+    client_samples: int
+    client_flops: int
+    server_samples: int  # the server's distillation: the student's training samples
+    server_flops: int  # and all of it (the teachers' inference too) in FLOPs
+    evaluation_samples: int  # the personalization that scoring the clients after the round took (--eval-every)
+    evaluation_flops: int
+
+    @staticmethod
+    def totals(costs: list[RoundCost]) -> dict[str, int]:
+        """Each field summed over `costs`."""
+        return {field.name: sum(getattr(cost, field.name) for cost in costs) for field in fields(RoundCost)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundTiming(Record):
+    """What differs from run to run of the same settings (`compute.costs`); report.json's `timing` sums the
+    seconds and takes the peaks."""
+
+    client_seconds: float
+    aggregation_seconds: float
+    distillation_seconds: float
+    peak_rss_bytes: int
+    peak_cuda_bytes: int | None = None  # on a GPU
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord(Record):
+    """A round (`engine._run_rounds`): a line of metrics.jsonl, an entry of a checkpoint's "metrics"."""
+
+    round: int
+    clients: list[int]  # sampled, in the order they are aggregated
+    # the method's own: its clients' means (`ClientUpdate.metrics`) and the server's
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict, metadata=REST)
+    # How many clients trained, where they are not `clients`: the method trains every federated client (pFedMe,
+    # pFedBreD unless --train-clients sampled), or --participation left some `unanswered`. The per-client lists
+    # below (`bytes_down`, `bytes_up`, `client_samples`) have an entry per client that trained, in the order it was
+    # asked: `clients`, or all federated clients in id order, less the `unanswered`.
+    trained_clients: int | None = None
+    unanswered: list[int] | None = None  # --participation: the clients asked that did not answer
+    stragglers: dict[str, float] | None = None  # --stragglers: client id -> the share of its work it did
+    budget_share: float | None = None  # --budget: the share of their work the last round's clients did
+    dp_epsilon: list[float] | None = None  # --dp-noise: the ε each aggregated client has spent so far
+    # --eval-every: the evaluation after the round (`evaluation.summarize`)
+    personalized_local_test: float | None = None
+    personalized_local_test_std: float | None = None
+    personalized_global_test: float | None = None
+    personalized_global_test_std: float | None = None
+    global_local_test: float | None = None
+    global_local_test_std: float | None = None
+    global_global_test: float | None = None
+    per_client: PerClient | None = None
+    bytes_down: list[int]
+    bytes_up: list[int]
+    bytes_full_model: int | None = None  # --engine flower: the full model's size
+    bytes_evaluation: int | None = None  # --engine flower: the evaluation's personalized-adapter exchanges
+    parameter_counts: ParameterCounts | None = None  # None: no client trained
+    client_samples: list[int]
+    cost: RoundCost
+    timing: RoundTiming
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta(Record):
+    """A round checkpoint's JSON metadata (`rundir.checkpoint`): the records of the rounds so far."""
+
+    metrics: list[RoundRecord]
