@@ -1,7 +1,7 @@
 """peradapt: personalized federated learning with adapters on frozen pretrained backbones.
 
-The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`; see
-`peradapt.api`) does what the commands do. After `import peradapt`, exported adapters load with a plain
+The Python API (`peradapt.train`, `evaluate`, `export`, `personalize_new_client`, `pretrain`, `compare`, `report`,
+`info`; see `peradapt.api`) does what the commands do. After `import peradapt`, exported adapters load with a plain
 `peft.PeftModel.from_pretrained` and the narrow ResNets (`resnet18_w16`, ...) with `timm.create_model`: the residual
 adapter is registered with PEFT, and those backbones with timm, when PEFT and timm are imported (before or after
 peradapt; wrapt's post-import hooks). The built-in methods are registered when the method registry is first read,
@@ -37,6 +37,7 @@ _API = (
     "compare",
     "evaluate",
     "export",
+    "info",
     "personalize_new_client",
     "pretrain",
     "push_to_hub",

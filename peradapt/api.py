@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -35,6 +35,7 @@ from peradapt.options import (
     CompareOptions,
     EvalOptions,
     ExportOptions,
+    InfoOptions,
     PersonalizeOptions,
     PretrainOptions,
     ReportOptions,
@@ -42,6 +43,10 @@ from peradapt.options import (
 )
 from peradapt.progress import text_console
 from peradapt.rundir.records import Report
+
+if TYPE_CHECKING:  # what `info` returns, whose modules load when it is called
+    from peradapt.commands.finished_run import RunInfo
+    from peradapt.presets import PresetInfo
 
 PathLike = str | Path
 
@@ -219,6 +224,18 @@ def compare(
                 "none (the final runs score on the test split): give --tune N, or drop --validation-fraction"
             )
         return run_compare(options, flat, _console(console, quiet))
+
+
+@refusals_reported
+def info(run: PathLike | InfoOptions | None = None, /, **values: Any) -> RunInfo | PresetInfo:
+    """What `peradapt info` shows: a run's config, resolved values, partition, report and label skew (`RunInfo`),
+    or with `preset=NAME` (and no run) what a paper preset sets (`PresetInfo`). `run` may be the whole
+    `InfoOptions` instead."""
+    from peradapt.commands.finished_run import run_info
+    from peradapt.presets import preset_info
+
+    options = InfoOptions.of(run, values, first="run")
+    return run_info(options.run) if options.run is not None else preset_info(str(options.preset))
 
 
 @refusals_reported

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -31,9 +31,13 @@ from peradapt.options import (
     ReportOptions,
     TrainOptions,
 )
+from peradapt.presets import PresetInfo
 from peradapt.progress import counted, text_console
 from peradapt.registry import METHODS
 from peradapt.settings import Setting, declared_settings
+
+if TYPE_CHECKING:  # what `api.info` returns for a run, whose module loads with the training stack
+    from peradapt.commands.finished_run import RunInfo
 
 try:  # what a command-line mistake raises: Typer >= 0.26 vendors click and raises its own exceptions
     from typer import TyperException as CommandLineError
@@ -347,18 +351,17 @@ def personalize(options: PersonalizeOptions) -> None:
 @takes_options(InfoOptions)
 def info(options: InfoOptions) -> None:
     """Resolved config, partition statistics and trainable-parameter count of a run, or a preset's settings."""
-    run = options.run
-    if run is None:
-        assert options.preset is not None
-        _print_preset(options.preset)
-        return
-    from peradapt.commands.finished_run import label_skew
-    from peradapt.rundir.layout import read_partition, read_report, read_run_config
+    shown = api.info(options)
+    if isinstance(shown, PresetInfo):
+        _print_preset(shown)
+    else:
+        assert options.run is not None
+        _print_run(shown, options.run)
 
-    config, resolved = read_run_config(run)
-    partition = read_partition(run)
-    finished = read_report(run)  # every file is checked before anything is printed
-    out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved}))
+
+def _print_run(shown: RunInfo, run: Path) -> None:
+    config, resolved, partition, finished = shown.config, shown.resolved, shown.partition, shown.report
+    out_console.print_json(json.dumps({"config": config.to_flat(), "resolved": resolved.to_json()}))
     privacy = finished and finished.privacy  # --dp-noise: each client's ε, known once the run has finished
     epsilons = dict(zip(finished.clients, privacy.epsilon.per_client, strict=True)) if privacy else {}
     table = Table(title=f"partition {partition['spec']} (seed {partition['seed']})")
@@ -374,22 +377,20 @@ def info(options: InfoOptions) -> None:
     if len(clients) > INFO_CLIENT_ROWS:
         more = len(clients) - INFO_CLIENT_ROWS
         out_console.print(f"... and {more:,} more clients ({run / 'partition.json'})", soft_wrap=True)
-    if resolved.get("classes") and partition.get("histograms_of", "classes") == "classes":  # the histograms' order
-        out_console.print(f"classes: {', '.join(resolved['classes'])}", soft_wrap=True)
-    skew = label_skew([c["train_histogram"] for c in partition["clients"]])
+    if partition.get("histograms_of", "classes") == "classes":  # the histograms' order
+        out_console.print(f"classes: {', '.join(resolved.classes)}", soft_wrap=True)
     out_console.print(
-        f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {skew:.3f}", soft_wrap=True
+        f"label skew (mean total-variation distance to the pooled labels, 0 = IID): {shown.label_skew:.3f}",
+        soft_wrap=True,
     )
-    if resolved.get("backbone_parameters") and "trainable_parameters" in resolved:
-        trainable, total = resolved["trainable_parameters"], resolved["backbone_parameters"]
-        out_console.print(
-            f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
-            f"adapter: {resolved['adapter']}, scope: {resolved.get('scope', 'adapter')}",
-            soft_wrap=True,  # a terminal wraps it; rich would break it between "scope:" and its value
-        )
-    if "client_store" in resolved:
-        where = f" ({run / 'client_store'})" if resolved["client_store"] == "disk" else ", in the checkpoints"
-        out_console.print(f"client state: {resolved['client_store']}{where}", soft_wrap=True)
+    trainable, total = resolved.trainable_parameters, resolved.backbone_parameters
+    out_console.print(
+        f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.1f}%), "
+        f"adapter: {resolved.adapter}, scope: {resolved.scope}",
+        soft_wrap=True,  # a terminal wraps it; rich would break it between "scope:" and its value
+    )
+    where = f" ({run / 'client_store'})" if resolved.client_store == "disk" else ", in the checkpoints"
+    out_console.print(f"client state: {resolved.client_store}{where}", soft_wrap=True)
     if finished:  # the columns of the PerAda paper's Table 1, measured
         counts = finished.cost.parameters
         out_console.print(
@@ -412,20 +413,17 @@ def info(options: InfoOptions) -> None:
         )
 
 
-def _print_preset(name: str) -> None:
-    from peradapt.presets import preset_rows, read_preset
-
-    record = read_preset(name)
-    table = Table(title=f"preset {name}: `peradapt train --preset {name}` (flags win)")
+def _print_preset(shown: PresetInfo) -> None:
+    table = Table(title=f"preset {shown.name}: `peradapt train --preset {shown.name}` (flags win)")
     for column in ("setting", "preset", "peradapt default", "why", "what it is"):
         table.add_column(column, overflow="fold")
-    for declared, value, note in preset_rows(name):
+    for declared, value, note in shown.rows:
         flag = f"{declared.flag_name} ({declared.symbol})" if declared.symbol else declared.flag_name
         table.add_row(flag, str(value), declared.default_text(), note, declared.help_text())
     console = out_console if out_console.is_terminal else text_console(width=240)
-    console.print(record["description"], soft_wrap=True, highlight=False, markup=False)
+    console.print(shown.description, soft_wrap=True, highlight=False, markup=False)
     console.print(table)
-    console.print(f"from the authors' {record['source']}", soft_wrap=True, highlight=False, markup=False)
+    console.print(f"from the authors' {shown.source}", soft_wrap=True, highlight=False, markup=False)
 
 
 @command("methods")

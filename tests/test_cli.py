@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 import peradapt.cli as cli
 import peradapt.federation.engine as engine
+from peradapt import api
 from peradapt.cli import main
+from peradapt.errors import ConfigError
 from peradapt.federation.session import build_session
 from peradapt.rundir.layout import read_partition, read_run_config
 
@@ -444,3 +446,13 @@ def test_config_files_with_keys_that_are_no_names_or_not_utf8_are_one_error_line
     config.write_bytes(content)
     expect_user_error(tiny_args(fmnist_dir, tmp_path / "bad", "--config", str(config)), capsys, monkeypatch, "bad.yaml")
     assert not (tmp_path / "bad").exists()
+
+
+def test_info_is_an_api_function_for_runs_and_presets(finished_run):
+    shown = api.info(finished_run)
+    assert shown.resolved.adapter == "residual" and shown.report is not None
+    assert shown.partition["clients"] and 0 <= shown.label_skew <= 1
+    preset = api.info(preset="perada-cifar10")
+    assert preset.name == "perada-cifar10" and any(declared.name == "kd_steps" for declared, _, _ in preset.rows)
+    with pytest.raises(ConfigError, match="info takes --run DIR or --preset NAME"):
+        api.info(finished_run, preset="perada-cifar10")

@@ -311,7 +311,7 @@ def test_r2_does_not_move_with_the_learning_rate_or_the_batch_size(tmp_path):
             federated_clients=clients,
         )
         record = engine._choose_lam(session, tmp_path, resume=False, console=Console(file=io.StringIO()))
-        assert config.lam == record["lam"]
+        assert config.lam == record.lam
         return record
 
     def warmup_spread(lr):
@@ -322,9 +322,9 @@ def test_r2_does_not_move_with_the_learning_rate_or_the_batch_size(tmp_path):
         return max(sum(float(((s[k] - center[k]) ** 2).sum()) for k in names) for s in states)
 
     base = auto_lam_record(0.1, BATCH)
-    assert base["r2"] > 0
+    assert base.r2 > 0
     for other in (auto_lam_record(0.05, BATCH), auto_lam_record(0.1, BATCH // 4)):
-        assert abs(other["r2"] / base["r2"] - 1) < 0.25
+        assert abs(other.r2 / base.r2 - 1) < 0.25
     assert warmup_spread(0.05) < 0.5 * warmup_spread(0.1)
 
 

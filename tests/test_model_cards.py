@@ -4,6 +4,7 @@ clients with them (a stand-in for HfApi records what would be sent)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -173,7 +174,7 @@ def test_cards_say_where_the_backbone_weights_came_from(perada):
     _, resolved = read_run_config(run)
     _, body = card(out / "clients" / "0" / "README.md")
     assert "peradapt pretrain on fmnist" in body  # the description kept beside the run's pinned weights
-    assert f"from `{Path(resolved['weights']).name}`" in body and resolved["backbone_sha256"] in body
+    assert f"from `{Path(resolved.weights).name}`" in body and resolved.backbone_sha256 in body
     assert "`dir:0.5` over 4 clients" in body and "1 round, 2 of 4 clients sampled per round, seed 0" in body
 
 
@@ -206,7 +207,7 @@ def test_a_dp_card_gives_that_clients_epsilon_and_held_out_clients_get_none(priv
     metadata, body = card(out / "global" / "README.md")
     assert f"at most {report['privacy']['epsilon']['max']:.2f}" in body
     assert metadata["tags"][-1] == "lora"  # the default adapter of a ViT
-    assert f"from `{Path(read_run_config(run)[1]['weights']).name}`" in body  # --weights FILE, by its name
+    assert f"from `{Path(read_run_config(run)[1].weights).name}`" in body  # --weights FILE, by its name
 
 
 # ---------------------------------------------------------------- the loading recipe works as written
@@ -397,7 +398,7 @@ def test_hub_backbones_are_the_base_model(backbone, kind, weights, base_model, l
     config, resolved = read_run_config(run)
     config.backbone.backbone = backbone
     config.backbone.weights = weights if weights.startswith("/weights") else None
-    resolved = {**resolved, "adapter": kind, "weights": weights}
+    resolved = dataclasses.replace(resolved, adapter=kind, weights=weights)
     cards = RunCards(config, resolved, read_report(run))
     metadata, body = card_text(cards.adapter(0))
     assert metadata.get("base_model") == base_model and metadata.get("license") == license_
@@ -428,7 +429,7 @@ def test_runs_record_their_class_names(perada, capsys, monkeypatch):
     from peradapt.data.sources import FMNIST_CLASSES
 
     run, _ = perada
-    assert read_run_config(run)[1]["classes"] == list(FMNIST_CLASSES)
+    assert read_run_config(run)[1].classes == list(FMNIST_CLASSES)
     assert report_of(run)["classes"] == list(FMNIST_CLASSES)
     code, stdout, _ = run_cli(["info", "--run", str(run)], capsys, monkeypatch)
     assert code == 0 and f"classes: {', '.join(FMNIST_CLASSES)}" in stdout
@@ -440,7 +441,7 @@ def test_an_export_holds_no_path_of_the_machine_it_was_made_on(merge, perada, tm
     out = tmp_path / "export"
     run_main(["export", "--run", str(run), "--out", str(out), *(["--merge"] if merge else [])], home)
     _, resolved = read_run_config(run)
-    machine = {str(p) for p in (run, run.resolve(), fmnist_dir, home, tmp_path.parent, Path(resolved["weights"]))}
+    machine = {str(p) for p in (run, run.resolve(), fmnist_dir, home, tmp_path.parent, Path(resolved.weights))}
     texts = text_files(out)
     assert any(path.suffix == ".json" for path in texts) and any(path.name == "README.md" for path in texts)
     for path, text in texts.items():
@@ -448,7 +449,7 @@ def test_an_export_holds_no_path_of_the_machine_it_was_made_on(merge, perada, tm
         assert not leaked, f"{path} holds {leaked}"
     _, body = card(out / "clients" / "0" / "README.md")
     # the weights named by their file and fingerprint, not their path
-    assert f"from `{Path(resolved['weights']).name}`" in body and resolved["backbone_sha256"] in body
+    assert f"from `{Path(resolved.weights).name}`" in body and resolved.backbone_sha256 in body
 
 
 def test_cards_carry_model_index_datasets_and_license_for_the_hub(perada, tmp_path, home):

@@ -260,8 +260,8 @@ print(json.dumps([logits.tolist(), labels, model.config.id2label]))
 """
     logits, labels, id2label = json.loads(run_without_peradapt(check, target))
     assert_close(torch.tensor(logits), expected, atol=1e-4, rtol=1e-4)
-    assert id2label == {str(i): name for i, name in enumerate(resolved["classes"])}
-    assert set(labels) <= set(resolved["classes"]) and labels
+    assert id2label == {str(i): name for i, name in enumerate(resolved.classes)}
+    assert set(labels) <= set(resolved.classes) and labels
 
 
 def test_hf_mistakes_are_one_line_errors(hf_dir, fmnist_dir, tmp_path, capsys, monkeypatch):

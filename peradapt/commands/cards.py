@@ -29,7 +29,7 @@ from peradapt.data import hfdata
 from peradapt.data.sources import source_kind
 from peradapt.errors import ConfigError
 from peradapt.progress import counted
-from peradapt.rundir.records import Privacy, Report, Stats
+from peradapt.rundir.records import Privacy, Report, Resolved, Stats
 
 CARD_FILE = "README.md"
 TAGS = ("peradapt", "federated-learning", "personalization")
@@ -67,7 +67,7 @@ class RunCards:
     def __init__(
         self,
         config: TrainConfig,
-        resolved: dict,
+        resolved: Resolved,
         report: Report,
         hub: HubTarget | None = None,
         *,
@@ -79,8 +79,8 @@ class RunCards:
         self.config, self.resolved, self.report, self.hub = config, resolved, report, hub
         self.merged = merged
         self.backbone = config.backbone.backbone
-        self.kind = resolved.get("adapter", "residual")
-        self.scope = resolved.get("scope", "adapter")
+        self.kind = resolved.adapter
+        self.scope = resolved.scope
         self.method, self.metric_key = report.method, report.metric
         self.metric = METRIC_LABELS.get(self.metric_key, self.metric_key)
         self.clients: list[int] = report.clients
@@ -88,7 +88,7 @@ class RunCards:
         personal_global = report.personalized.global_test
         sampled = personal_global.clients or self.clients  # a large federation: a sample of the clients
         self.personal_global = dict(zip(sampled, personal_global.per_client, strict=False))
-        self.hub_model, hub_license = _hub_origin(self.backbone, config.backbone.weights, resolved.get("weights"))
+        self.hub_model, hub_license = _hub_origin(self.backbone, config.backbone.weights, resolved.weights)
         self.license = check_license(license) if license is not None else hub_license
         self.data, self.hub_dataset = public_data(report.data)
         self.second_head = _has_second_head(self.method)
@@ -252,13 +252,12 @@ class RunCards:
         privacy = self.report.privacy
         if privacy is not None:
             rows.append(("differential privacy", self._privacy_description(privacy, client)))
-        versions = self.resolved.get("versions", {})
-        if versions:
-            rows.append(("software", ", ".join(f"{name} {version}" for name, version in versions.items())))
+        versions = self.resolved.versions
+        rows.append(("software", ", ".join(f"{name} {version}" for name, version in versions.items())))
         return "| | |\n|---|---|\n" + "\n".join(f"| {name} | {_cell(value)} |" for name, value in rows)
 
     def _model_description(self) -> str:
-        trainable, total = self.resolved.get("trainable_parameters"), self.resolved.get("backbone_parameters")
+        trainable, total = self.resolved.trainable_parameters, self.resolved.backbone_parameters
         if self.kind == "none":
             kind = "the whole network, trained; no adapter"
         elif self.kind == "residual":
@@ -277,8 +276,7 @@ class RunCards:
             kind += "; the whole network under them trains too (`--scope full`)"
         if self.second_head:
             kind += "; plus a personal linear head whose logits are added to the classifier's"
-        if trainable and total:
-            kind += f" ({trainable:,} trainable parameters; the backbone has {total:,})"
+        kind += f" ({trainable:,} trainable parameters; the backbone has {total:,})"
         if self.merged:
             kind += (
                 f"; **merged**: folded into the backbone's weights (`peradapt export --merge`), a plain "
@@ -292,8 +290,8 @@ class RunCards:
         return f"`{public_backbone(self.backbone).removeprefix(HF_PREFIX)}` ({library}), {role}"
 
     def _weights_description(self) -> str:
-        source = self.resolved.get("weights")
-        described = _described_source(self.resolved.get("backbone_sha256"))
+        source = self.resolved.weights
+        described = _described_source(self.resolved.backbone_sha256)
         parts = []
         if self.hub_model is not None:
             parts.append(f"[{self.hub_model}](https://huggingface.co/{self.hub_model})")
@@ -302,17 +300,15 @@ class RunCards:
         public = public_weights(source)
         if public and self.hub_model is None:
             parts.append(f"from `{public}`")
-        fingerprint = self.resolved.get("backbone_sha256")
-        if fingerprint:
-            parts.append(f"fingerprint (SHA-256 of its tensors but the head, and its normalization) `{fingerprint}`")
-        return "; ".join(parts) if parts else "not recorded"
+        fingerprint = self.resolved.backbone_sha256
+        parts.append(f"fingerprint (SHA-256 of its tensors but the head, and its normalization) `{fingerprint}`")
+        return "; ".join(parts)
 
     def _data_description(self) -> str:
-        channels, size, classes = (self.resolved.get(k) for k in ("channels", "image_size", "num_classes"))
-        shape = f": {channels}-channel {size}×{size} px images, {classes} classes" if channels and size else ""
-        classes = self.resolved.get("classes") or self.report.classes
-        names = f"; classes, in the order of the logits: {', '.join(classes)}" if classes else ""
-        return f"`{self.data}`{shape}{names}"
+        resolved = self.resolved
+        shape = f"{resolved.channels}-channel {resolved.image_size}×{resolved.image_size} px images"
+        names = ", ".join(resolved.classes)
+        return f"`{self.data}`: {shape}, {resolved.num_classes} classes; classes, in the order of the logits: {names}"
 
     def _training_description(self) -> str:
         fed = self.config.federation
@@ -459,7 +455,7 @@ class RunCards:
         if self.merged:
             return self._merged_usage(target, own_card)
         hf_backbone, reasons = is_hf(self.backbone), self._needs_peradapt()
-        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
+        channels, size = self.resolved.channels, self.resolved.image_size
         standard = ["import json", *(["from pathlib import Path"] if self._peradapt_api() else [])]
         third_party = ["import torch"]
         if self.hub is not None:
@@ -481,7 +477,7 @@ class RunCards:
         if hf_backbone:
             lines.append('backbone = AutoModelForImageClassification.from_pretrained(f"{root}/backbone")')
         else:
-            arguments = [json.dumps(self.backbone), f"num_classes={self.resolved.get('num_classes')}"]
+            arguments = [json.dumps(self.backbone), f"num_classes={self.resolved.num_classes}"]
             arguments.append(f"in_chans={channels}")
             if self.native_size is not None and size not in (None, self.native_size):  # a ViT made for `size`
                 arguments.append(f"img_size={size}")
@@ -522,7 +518,7 @@ class RunCards:
                 '#     logits = model(**processor(images=pil_images, return_tensors="pt")).logits',
                 "# model.config.id2label[i] names class i",
             ]
-            if self.resolved.get("channels") == 3:
+            if self.resolved.channels == 3:
                 lines += ['# or: transformers.pipeline("image-classification", model=root)(pil_image)']
             note = (
                 "`preprocessor_config.json` resizes images to the model's square (bilinear), scales the pixels to "
@@ -544,7 +540,7 @@ class RunCards:
     def _preprocessing(self, statistics: str) -> list[str]:
         """Code: `mean` and `std` from the dict expression `statistics`, and `preprocess`, as peradapt feeds its
         models; it ends with a commented call, which the caller completes."""
-        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
+        channels, size = self.resolved.channels, self.resolved.image_size
         return [
             f'mean = torch.tensor({statistics}["mean"]).view(1, -1, 1, 1)',
             f'std = torch.tensor({statistics}["std"]).view(1, -1, 1, 1)',
@@ -563,7 +559,7 @@ class RunCards:
         ]
 
     def _code_and_note(self, lines: list[str], statistics_file: str) -> str:
-        channels, size = self.resolved.get("channels"), self.resolved.get("image_size")
+        channels, size = self.resolved.channels, self.resolved.image_size
         note = (
             f"The model takes {channels}-channel {size}×{size} px images: `preprocess` resizes others (bilinear, "
             "antialiased), scales the pixels to [0, 1] and normalizes them with the mean and std in "

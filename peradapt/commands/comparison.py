@@ -384,7 +384,7 @@ def _row(method: str, runs: list[Path], facts: list[dict], versus: PairedTest, c
     _, resolved = read_run_config(runs[0])
     row = {
         "method": method,
-        "scope": resolved.get("scope", "adapter"),
+        "scope": resolved.scope,
         "metric": facts[0]["report"].metric,
         **facts[0]["report"].cost.parameters.to_json(),  # per client, as measured in the run
         "tuned": chosen,
@@ -427,7 +427,7 @@ def _audit(runs: dict[str, list[Path]], facts: dict[str, list[dict]], ood: str |
     for method_runs in runs.values():
         for run in method_runs:
             config, resolved = read_run_config(run)
-            for package, version in resolved.get("versions", {}).items():
+            for package, version in resolved.versions.items():
                 versions.setdefault(package, set()).add(version)
             scenarios.add((config.federation.participation, config.federation.stragglers))
     for seed, hashes in partitions.items():

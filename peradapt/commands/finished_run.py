@@ -33,7 +33,7 @@ from peradapt.commands.cards import (
     public_weights,
     write_cards,
 )
-from peradapt.config import check_output_path
+from peradapt.config import TrainConfig, check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError, writing
 from peradapt.evaluation import evaluate_adapters, summary
@@ -41,8 +41,9 @@ from peradapt.federation.session import Session, open_session
 from peradapt.progress import progress_display, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.files import damaged, first_missing, read_json
-from peradapt.rundir.layout import RunPaths, read_report, read_run_config
+from peradapt.rundir.layout import RunPaths, read_partition, read_report, read_run_config
 from peradapt.rundir.lock import reads_run
+from peradapt.rundir.records import Report, Resolved
 
 
 def open_run(run_dir: Path, weights: Path | None = None) -> Session:
@@ -471,6 +472,25 @@ def _move_into_place(staging: Path, out: Path) -> None:
         os.replace(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)  # the new export is in place whatever is left of the old one
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What `peradapt info` shows of a run: its files, each checked, and the label skew of its partition."""
+
+    config: TrainConfig
+    resolved: Resolved
+    partition: dict
+    report: Report | None  # None: not finished
+    label_skew: float
+
+
+def run_info(run_dir: Path) -> RunInfo:
+    """The run's config, resolved values, partition and report (each file checked before any is shown)."""
+    config, resolved = read_run_config(run_dir)
+    partition = read_partition(run_dir)
+    skew = label_skew([client["train_histogram"] for client in partition["clients"]])
+    return RunInfo(config, resolved, partition, read_report(run_dir), skew)
 
 
 def label_skew(histograms: list[list[int]]) -> float:

@@ -87,7 +87,7 @@ def _build_report(runs: list[Path], out: Path | None) -> list[Path]:
 def _load_run(run: Path) -> dict:
     if not run.is_dir():
         raise RunError(f"{run} is not a directory: pass run directories written by `peradapt train`")
-    config, resolved = read_run_config(run)  # refuses directories without a readable config.json
+    _, resolved = read_run_config(run)  # refuses directories without a readable config.json
     paths = RunPaths(run)
     report = read_report(run)  # checked as this module reads it
     if report is None:
@@ -95,7 +95,7 @@ def _load_run(run: Path) -> dict:
     return {
         "path": run,
         "report": report,
-        "scope": resolved.get("scope") or config.method.scope or "adapter",
+        "scope": resolved.scope,
         "history": read_metrics(paths.metrics),
         "ood": read_ood(run),
     }

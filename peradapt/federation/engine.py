@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -82,6 +82,7 @@ from peradapt.rundir.records import (
     Budget,
     Cost,
     Global,
+    LamAuto,
     ParameterCounts,
     Parameters,
     Personalized,
@@ -171,8 +172,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
         raise _already_a_run(run_dir)
     if resume:
         _check_rounds_to_play(paths, config.federation.rounds)
-        # Resume keeps the run's store; runs from before the disk store kept client state in their checkpoints.
-        store = read_run_config(run_dir)[1].get("client_store", "memory")
+        store = read_run_config(run_dir)[1].client_store  # resume keeps the run's store
         session = open_session(run_dir, config, client_store=_store_directory(store, paths))
     else:
         session = build_session(config, client_store=_store_directory(config.federation.store_kind(), paths))
@@ -216,9 +216,9 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
             "statistics; the authors' distillation needs both (docs/REPRODUCING.md)"
         )
     lam_auto = _choose_lam(session, run_dir, resume, console)
-    resolved = {**session.resolved(), **({"lam_auto": lam_auto} if lam_auto else {})}
+    resolved = replace(session.resolved(), lam_auto=lam_auto)
     # --log: the trackers start (or continue their runs) after every check, and log the rounds they lack
-    tracking = open_tracking(config, run_dir, resolved=resolved, history=history, resume=resume)
+    tracking = open_tracking(config, run_dir, resolved=resolved.to_json(), history=history, resume=resume)
     with deferred_interrupts():
         if resume:  # results of the run as it was are no longer the run's: they go before anything changes
             _unfinish(paths)
@@ -227,7 +227,7 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
             source = Path(session.backbone.source)
             if source.is_file():  # a weights file, which a later `pretrain` may replace: the run keeps its own
                 pin_weights(source, session.backbone_sha256)
-        write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved})
+        write_json_atomic(paths.config, {"config": config.to_dict(), "resolved": resolved.to_json()})
         if history:  # as the checkpoint records it: a damaged metrics.jsonl is whole again
             write_text_atomic(paths.metrics, _metrics_lines(history))
     start = len(history)
@@ -577,27 +577,29 @@ def _store_directory(kind: str, paths: RunPaths) -> Path | None:
     return paths.client_store if kind == "disk" else None
 
 
-def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> dict | None:
+def _choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) -> LamAuto | None:
     """`--lam auto`: λ from the fitted clients' optima (R² of Theorem 1), once, before round 1 (a resumed run keeps
     it). The fits are deterministic and draw no random numbers, so the rounds see the RNG they would see without."""
     config = session.config.method
     if not config.lam_auto:  # a method without a proximal strength was refused by `build_session`
         return None
     if resume:  # config.lam already holds the saved choice
-        return read_run_config(run_dir)[1].get("lam_auto")
+        return read_run_config(run_dir)[1].lam_auto
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
-    record = estimate_lam(
-        session.trainer,
-        session.initial,
-        session.client_sample,  # an optimum per client, held together: a sample in large federations
-        lam_max=lam_max,
-        num_clients=len(session.federated_clients),
+    record = LamAuto(
+        **estimate_lam(
+            session.trainer,
+            session.initial,
+            session.client_sample,  # an optimum per client, held together: a sample in large federations
+            lam_max=lam_max,
+            num_clients=len(session.federated_clients),
+        )
     )
-    config.lam = record["lam"]  # the method's config is this same object
+    config.lam = record.lam  # the method's config is this same object
     console.print(
-        f"--lam auto: R²={record['r2']:.4g} (max over {counted(record['clients'], 'client')}, "
-        f"median {record['r2_median']:.4g}; n={record['n']:.4g}), regime {record['regime']}, "
-        f"lam={record['lam']:.4g} ({record['explanation']})"
+        f"--lam auto: R²={record.r2:.4g} (max over {counted(record.clients, 'client')}, "
+        f"median {record.r2_median:.4g}; n={record.n:.4g}), regime {record.regime}, "
+        f"lam={record.lam:.4g} ({record.explanation})"
     )
     return record
 

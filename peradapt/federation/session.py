@@ -37,6 +37,7 @@ from peradapt.errors import ConfigError, WeightsError
 from peradapt.methods import METHODS, Method, MethodContext, build_method, check_private_method, method_class
 from peradapt.methods.partial import PartialModelSettings
 from peradapt.rundir.layout import read_partition, read_run_config
+from peradapt.rundir.records import Resolved
 from peradapt.rundir.store import ClientStore, DiskClientStore
 from peradapt.seeds import EVALUATION, derive_seed
 
@@ -86,29 +87,29 @@ class Session:
         """The name of each class index (the data's own; its index as text where a source names none)."""
         return self.data.classes or tuple(str(index) for index in range(self.data.num_classes))
 
-    def resolved(self) -> dict:
+    def resolved(self) -> Resolved:
         """What the flags resolved to on this machine, written beside the config."""
         packages = ("peradapt", "torch", "timm", "peft", "numpy")
-        return {
-            "adapter": self.adapter_kind,
-            "scope": self.model.scope,
-            "client_store": self.store.kind,
-            "weights": self.backbone.source,
-            "backbone_sha256": self.backbone_sha256,
-            "device": str(self.device),
-            "num_classes": self.data.num_classes,
-            "classes": list(self.class_names),
-            **({"skipped_images": list(self.data.skipped_images)} if self.data.skipped_images else {}),
-            "channels": self.data.channels,
-            "image_size": self.data.image_size,
-            "trainable_parameters": self.model.num_trainable(),
-            "backbone_parameters": self.model.num_backbone(),
-            "versions": {
+        return Resolved(
+            adapter=self.adapter_kind,
+            scope=self.model.scope,
+            client_store=self.store.kind,
+            weights=self.backbone.source,
+            backbone_sha256=self.backbone_sha256,
+            device=str(self.device),
+            num_classes=self.data.num_classes,
+            classes=list(self.class_names),
+            skipped_images=list(self.data.skipped_images) or None,
+            channels=self.data.channels,
+            image_size=self.data.image_size,
+            trainable_parameters=self.model.num_trainable(),
+            backbone_parameters=self.model.num_backbone(),
+            versions={
                 "python": platform.python_version(),
                 **{p: _version(p) for p in packages},
                 "peradapt_source": source_commit(),
             },
-        }
+        )
 
 
 @functools.cache
@@ -239,16 +240,15 @@ def open_session(
     """The session of the saved run in `run_dir`, with `config` (default: its saved one; else one with the changes
     `--resume` or a Flower node may make), on the backbone the run was trained on: the weights file `weights`
     (`eval`/`export`/`personalize --weights`), else the pinned copy of its weights file where this machine has it
-    (unless `config` names other weights), and in any case weights of the run's recorded fingerprint (runs from
-    before fingerprints: any)."""
+    (unless `config` names other weights), and in any case weights of the run's recorded fingerprint."""
     saved, resolved = read_run_config(run_dir)
     config = config or saved
-    fingerprint = resolved.get("backbone_sha256")
-    trained_on = resolved.get("weights", config.backbone.weights)
+    fingerprint = resolved.backbone_sha256
+    trained_on = resolved.weights
     if weights is not None and not weights.is_file():
         raise WeightsError(f"--weights {weights} is not a file: give the weights file {run_dir} was trained on")
-    pinned = pinned_weights_path(fingerprint) if fingerprint is not None else None
-    pinned_copy = pinned if weights is None and pinned is not None and pinned.is_file() else None
+    pinned = pinned_weights_path(fingerprint)
+    pinned_copy = pinned if weights is None and pinned.is_file() else None
     if config.backbone.weights != saved.backbone.weights:  # `--resume` or a Flower node naming other weights
         pinned_copy = None
     try:
@@ -258,10 +258,10 @@ def open_session(
             client_store=client_store,
             weights=weights or pinned_copy,
             backbone_sha256=fingerprint,
-            recorded_image_size=resolved.get("image_size"),
+            recorded_image_size=resolved.image_size,
         )
     except WeightsError:
-        if pinned is None or weights is not None or pinned_copy is not None:
+        if weights is not None or pinned_copy is not None:
             raise
         # Without the run's copy, the weights it names are gone or were replaced (a new `pretrain`, another machine).
         raise WeightsError(
@@ -269,9 +269,9 @@ def open_session(
             f"machine has neither them nor the run's copy of them: copy that weights file (with its .json) to "
             f"{pinned}, where the run looks for it, or give it to eval, export or personalize with --weights FILE"
         ) from None
-    if pinned_copy is not None or (weights is not None and fingerprint is not None):
+    if pinned_copy is not None or weights is not None:
         # The weights the run names, as their fingerprint says: it keeps naming them as it was trained.
-        session.backbone.source, session.pinned_copy = trained_on or session.backbone.source, pinned_copy
+        session.backbone.source, session.pinned_copy = trained_on, pinned_copy
     return session
 
 

@@ -7,6 +7,7 @@ its settings; `--config` and flags win over it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -32,8 +33,18 @@ def preset_settings(name: str) -> dict[str, Any]:
     return dict(read_preset(name)["settings"])
 
 
-def preset_rows(name: str) -> list[tuple[Setting, Any, str]]:
-    """(the setting's declaration, its preset value, the note why) for every setting of preset `name`."""
+@dataclass(frozen=True)
+class PresetInfo:
+    """What `peradapt info --preset NAME` shows: the preset's description, where in the authors' code its values
+    come from, and (the setting's declaration, its preset value, the note why) for every setting it sets."""
+
+    name: str
+    description: str
+    source: str
+    rows: list[tuple[Setting, Any, str]]
+
+
+def preset_info(name: str) -> PresetInfo:
     record = read_preset(name)
     notes = record.get("notes", {})
     rows = []
@@ -41,4 +52,4 @@ def preset_rows(name: str) -> list[tuple[Setting, Any, str]]:
         declared = find_setting(key)
         assert declared is not None, f"preset {name} sets {key}, which no setting has"  # tests load every preset
         rows.append((declared, value, notes.get(key, "")))
-    return rows
+    return PresetInfo(name, record["description"], record["source"], rows)

@@ -29,19 +29,6 @@ PARTITION = {
     "val?": [int],
     "clients": [{"id": int, "train": [int], "test": [int], "train_histogram": [int], "test_histogram?": [int]}],
 }
-# config.json's "resolved": the entries that `info`, `report`, `compare` and `--resume` read
-RESOLVED = {
-    "adapter?": str,
-    "scope?": str,
-    "client_store?": str,
-    "trainable_parameters?": int,
-    "backbone_parameters?": int,
-    "backbone_sha256?": str,
-    "classes?": [str],
-    "image_size?": int,
-    "skipped_images?": [str],  # undecodable images left out (--skip-bad-images)
-    "lam_auto?": {"lam": float},
-}
 
 
 def first_missing(path: Path) -> Path | None:

@@ -10,8 +10,8 @@ from peradapt.config import TrainConfig
 from peradapt.errors import ConfigError, PluginError, RunError
 from peradapt.progress import counted
 from peradapt.registry import METHODS
-from peradapt.rundir.files import PARTITION, RESOLVED, check, damaged, read_json
-from peradapt.rundir.records import Report
+from peradapt.rundir.files import PARTITION, check, damaged, read_json
+from peradapt.rundir.records import Report, Resolved
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RunPaths:
         return self.root / "client_store"
 
 
-def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
+def read_run_config(run_dir: Path) -> tuple[TrainConfig, Resolved]:
     """The saved config of the run in `run_dir` and what its settings resolved to (config.json), checked."""
     paths = RunPaths(run_dir)
     if not paths.config.is_file():
@@ -68,7 +68,8 @@ def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
         "settings it was trained with and another --out"
     )
     saved = read_json(paths.config, remedy)
-    check(saved, {"config": dict, "resolved?": RESOLVED}, paths.config, remedy)
+    check(saved, {"config": dict, "resolved": dict}, paths.config, remedy)
+    resolved = Resolved.from_json(saved["resolved"], paths.config, remedy, "resolved")
     try:
         _check_method_found(saved["config"])
         config = TrainConfig.from_dict(saved["config"])
@@ -76,7 +77,7 @@ def read_run_config(run_dir: Path) -> tuple[TrainConfig, dict]:
         raise PluginError(f"{run_dir} was trained with a method that cannot be loaded here: {exc}") from None
     except ConfigError as exc:
         raise damaged(paths.config, str(exc), remedy) from None
-    return config, saved.get("resolved", {})
+    return config, resolved
 
 
 def _check_method_found(saved: dict) -> None:

@@ -1,4 +1,5 @@
-"""A run's records, typed: report.json (`Report`), read and written here alone.
+"""A run's records, typed: report.json (`Report`) and config.json's "resolved" (`Resolved`), read and written here
+alone.
 
 Each record is a frozen dataclass whose fields are its file's schema: `from_json` checks a value read from a file
 against the fields' annotations (`int`, `float`, which takes whole numbers too, `str`, `list[X]`, `dict[str, X]`, a
@@ -219,6 +220,43 @@ class Cost(Record):
     parameters: Parameters
     budget: Budget | None  # None: no --budget
     timing: Timing
+
+
+@dataclass(frozen=True, kw_only=True)
+class LamAuto(Record):
+    """--lam auto: λ chosen once before round 1 from the clients' fitted optima (`methods.auto_lam.estimate_lam`)."""
+
+    r2: float  # max_i ||w*_i - w*_g||²
+    r2_median: float
+    clients: int  # the clients fitted
+    n: float  # samples per client
+    m: int  # clients
+    rho: float
+    lam: float
+    regime: str  # homogeneous, moderate or heterogeneous (Theorem 1)
+    explanation: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved(Record):
+    """config.json's "resolved": what a run's settings resolved to on the machine that began it
+    (`Session.resolved`), and --lam auto's choice."""
+
+    adapter: str  # residual or lora
+    scope: str  # what trains: the adapters, the head, ... (`AdaptedModel.scope`)
+    client_store: str  # memory or disk
+    weights: str  # where the backbone's weights came from
+    backbone_sha256: str  # their fingerprint, which every later command checks
+    device: str
+    num_classes: int
+    classes: list[str]
+    skipped_images: list[str] | None = None  # --skip-bad-images: the undecodable images left out
+    channels: int
+    image_size: int
+    trainable_parameters: int
+    backbone_parameters: int
+    versions: dict[str, str]  # python and the packages, and the source commit of peradapt
+    lam_auto: LamAuto | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
