@@ -242,10 +242,10 @@ def info(run: PathLike | InfoOptions | None = None, /, **values: Any) -> RunInfo
 def report(runs: Sequence[PathLike], out: PathLike | ReportOptions | None = None, /, **values: Any) -> list[Path]:
     """Plots and a Markdown/JSON table of finished runs (`out`: where; or the whole `ReportOptions`); returns the
     files written."""
-    from peradapt.commands.reports import build_report
+    from peradapt.commands.reports import write_report
 
     options = ReportOptions.of(out, values, first="out")
-    return build_report([Path(run) for run in runs], options.out)
+    return write_report([Path(run) for run in runs], options.out)
 
 
 def _given(key: str, values: dict[str, Any]) -> bool:

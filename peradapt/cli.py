@@ -288,7 +288,7 @@ def compare(options: CompareOptions, **settings: Any) -> None:
 def evaluate(options: EvalOptions) -> None:
     """local-test and global-test of every client's personalized adapter and of the global adapter."""
     from peradapt.commands.finished_run import ood_report_name, ood_table
-    from peradapt.evaluation import results_table, summarize
+    from peradapt.evaluation import flat_scores, results_table
 
     run, ood = options.run, options.ood
     if ood is not None:
@@ -301,7 +301,7 @@ def evaluate(options: EvalOptions) -> None:
     evaluation = api.evaluate(options)
     split = evaluation["eval_split"]
     title = f"evaluation of {run}" + (SCORED_ON_VALIDATION if split == "validation" else "")
-    out_console.print(results_table(summarize(evaluation), title, evaluation["metric"], eval_split=split))
+    out_console.print(results_table(flat_scores(evaluation), title, evaluation["metric"], eval_split=split))
     out_console.print(f"written to {run / 'eval.json'}", soft_wrap=True)
 
 

@@ -36,7 +36,7 @@ from peradapt.commands.cards import (
 from peradapt.config import TrainConfig, check_output_path
 from peradapt.data.ood import OodTarget
 from peradapt.errors import ConfigError, RunError, WeightsError, writing
-from peradapt.evaluation import evaluate_adapters, summary
+from peradapt.evaluation import evaluate_adapters, mean_and_std
 from peradapt.federation.session import Session, open_session
 from peradapt.progress import progress_display, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
@@ -203,7 +203,7 @@ def evaluate_ood_run(
 
     def entry(columns: list[int], **fields: object) -> dict:
         per_client = [float(np.mean([personal_acc[c][i] for i in columns])) for c in clients]
-        stats = summary(per_client)
+        stats = mean_and_std(per_client)
         return {
             **fields,
             "personalized": per_client,

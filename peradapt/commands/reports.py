@@ -48,7 +48,7 @@ def default_out(runs: list[Path]) -> Path:
     return runs[0] if len(runs) == 1 else DEFAULT_OUT
 
 
-def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
+def write_report(runs: list[Path], out: Path | None = None) -> list[Path]:
     """Plots and summary table of finished runs; returns the files written (in `out`, see `default_out`). Each run
     is held for reading (`RunLock`) while its files are read and the report written: a run that a `train` is
     writing is refused, before anything is written."""
@@ -57,10 +57,10 @@ def build_report(runs: list[Path], out: Path | None = None) -> list[Path]:
     with ExitStack() as held:
         for run in runs:
             held.enter_context(RunLock(run, exclusive=False))
-        return _build_report(runs, out)
+        return _write_report(runs, out)
 
 
-def _build_report(runs: list[Path], out: Path | None) -> list[Path]:
+def _write_report(runs: list[Path], out: Path | None) -> list[Path]:
     loaded = [_load_run(run) for run in runs]
     _label_runs(loaded)
     out = out if out is not None else default_out(runs)

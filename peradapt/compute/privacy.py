@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from peradapt.adapters import AdaptedModel
-from peradapt.compute.metrics import summary
+from peradapt.compute.task_metric import mean_and_std
 from peradapt.config import PrivacyConfig, TrainConfig
 from peradapt.errors import ConfigError
 from peradapt.rundir.records import Privacy, Stats
@@ -252,7 +252,7 @@ def privacy_report(privacy: PrivateTraining | None, store: ClientStore, clients:
     per_client = [epsilon(history, privacy.config.dp_delta) for history in histories]
     return Privacy(
         **_settings(privacy.config),
-        epsilon=Stats(**summary(per_client), max=max(per_client, default=0.0), per_client=per_client),
+        epsilon=Stats(**mean_and_std(per_client), max=max(per_client, default=0.0), per_client=per_client),
         steps=[_steps(history) for history in histories],
     )
 

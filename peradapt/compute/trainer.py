@@ -18,7 +18,7 @@ from torch import nn
 
 from peradapt.adapters import AdapterState
 from peradapt.compute.costs import SampleFlops, inference_flops, schedule_sizes, shared_sizes, training_flops
-from peradapt.compute.metrics import metric_value
+from peradapt.compute.task_metric import metric_value
 from peradapt.data import ImageSet, iterate_minibatches, to_model_input
 from peradapt.data.batches import (
     AUGMENTATIONS,

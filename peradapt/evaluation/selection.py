@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from peradapt.compute.metrics import summary
+from peradapt.compute.task_metric import mean_and_std
 from peradapt.rundir.records import Best, PerClient, RoundRecord, SelectedOnTest, Stats
 
 
@@ -48,7 +48,7 @@ def select_on_test(history: Sequence[RoundRecord], final_round: int, final: dict
     return SelectedOnTest(
         rounds_evaluated=[round_number for round_number, _ in evaluated] + [final_round],
         personalized_local_test=Stats(
-            **summary(values), per_client=values, rounds=[best[client][1] for client in clients]
+            **mean_and_std(values), per_client=values, rounds=[best[client][1] for client in clients]
         ),
         global_global_test=Best(value=global_best[0], round=global_best[1]),
     )

@@ -6,8 +6,8 @@ Pure functions over per-seed scores (one number per seed: a method's headline sc
 dataclasses whose `as_dict()` is JSON-ready (a quantity that is undefined is None, JSON null, never NaN: NaN is not
 JSON and would make a report unreadable by strict parsers).
 
-A score that is undefined (NaN: e.g. a ROC-AUC with a single class) is left out, as `compute.metrics.summary` does
-for clients; in a paired comparison the whole pair (that seed) is left out, so that the pairing is kept.
+A score that is undefined (NaN: e.g. a ROC-AUC with a single class) is left out, as `compute.task_metric.mean_and_std`
+does for clients; in a paired comparison the whole pair (that seed) is left out, so that the pairing is kept.
 """
 
 from __future__ import annotations

@@ -54,11 +54,11 @@ from peradapt.distill import Distiller
 from peradapt.errors import ConfigError, Interrupted, MachineError, RunError, machine_error
 from peradapt.evaluation import (
     evaluate_adapters,
+    flat_scores,
     local_test_statistics,
+    mean_and_std,
     per_client_record,
     select_on_test,
-    summarize,
-    summary,
 )
 from peradapt.federation.session import Session, build_session, open_session
 from peradapt.federation.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
@@ -678,7 +678,7 @@ def _run_rounds(
                 )
                 evaluation = _evaluate(session, personalized, global_state, evaluated)
                 # with each client's scores, for the authors' selection on test data
-                scores = {**summarize(evaluation), "per_client": per_client_record(evaluation)}
+                scores = {**flat_scores(evaluation), "per_client": per_client_record(evaluation)}
                 evaluation_samples = sum(method.personalization_samples(client) for client in evaluated)
             traffic = clients.traffic()
             samples = [update.work.samples for update in updates]  # `updates` are in the order of `trained`
@@ -886,7 +886,7 @@ def build_report(
     test_sizes = [len(session.data.clients[client].test) for client in evaluation["clients"]]
 
     def local_test(values: list[float]) -> Stats:  # the clients' own test splits: also weighted and worst-10%
-        return Stats(**summary(values), per_client=values, **local_test_statistics(values, test_sizes))
+        return Stats(**mean_and_std(values), per_client=values, **local_test_statistics(values, test_sizes))
 
     config = session.config
     personalized = evaluation["personalized"]
@@ -903,7 +903,7 @@ def build_report(
             local_test=local_test(personalized["local_test"]),
             # a large federation scores a sample of personalized adapters on the global test set: which ones
             global_test=Stats(
-                **summary(personalized["global_test"]),
+                **mean_and_std(personalized["global_test"]),
                 per_client=personalized["global_test"],
                 clients=evaluation.get("global_test_clients"),
             ),
@@ -912,7 +912,7 @@ def build_report(
             local_test=local_test(evaluation["global"]["local_test"]),
             global_test=evaluation["global"]["global_test"],
         ),
-        summary=summarize(evaluation),
+        summary=flat_scores(evaluation),
         selected_on_test=select_on_test(history, len(history), evaluation),
         trainable_parameters=session.model.num_trainable(),
         backbone_parameters=session.model.num_backbone(),

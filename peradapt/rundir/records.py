@@ -116,7 +116,8 @@ def _written(value: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class Stats(Record):
-    """Values over clients (scores, a privacy's ε): their mean and std (`compute.metrics.summary`), each client's."""
+    """Values over clients (scores, a privacy's ε): their mean and std (`compute.task_metric.mean_and_std`), each
+    client's."""
 
     mean: float
     std: float
@@ -357,7 +358,7 @@ class RoundRecord(Record):
     stragglers: dict[str, float] | None = None  # --stragglers: client id -> the share of its work it did
     budget_share: float | None = None  # --budget: the share of their work the last round's clients did
     dp_epsilon: list[float] | None = None  # --dp-noise: the ε each aggregated client has spent so far
-    # --eval-every: the evaluation after the round (`evaluation.summarize`)
+    # --eval-every: the evaluation after the round (`evaluation.flat_scores`)
     personalized_local_test: float | None = None
     personalized_local_test_std: float | None = None
     personalized_global_test: float | None = None

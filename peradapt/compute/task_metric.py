@@ -53,7 +53,7 @@ WORST_SHARE = 0.1  # `worst_10pct`: the mean over this share of the clients with
 
 
 def local_test_statistics(values: Sequence[float], test_sizes: Sequence[int]) -> dict[str, float]:
-    """What the strongest pFL benchmarks report of the clients' own test scores, besides `summary`'s mean and std:
+    """What the strongest pFL benchmarks report of the clients' own test scores, besides `mean_and_std`:
     the mean weighted by each client's test images (`weighted_mean`: the score of all local test images pooled, for
     accuracy) and the mean of the worst 10% of clients (`worst_10pct`: ceil(10% of them), at least one). Clients
     whose score is undefined are left out of both."""
@@ -67,7 +67,7 @@ def local_test_statistics(values: Sequence[float], test_sizes: Sequence[int]) ->
     return {"weighted_mean": weighted, "worst_10pct": float(worst.mean())}
 
 
-def summary(values: Sequence[float]) -> dict[str, float]:
+def mean_and_std(values: Sequence[float]) -> dict[str, float]:
     """Mean and std over clients. A client whose score is undefined (no test images, or AUC on a test split
     with a single class in every label) is left out rather than making the mean undefined."""
     array = np.asarray(values, dtype=float)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 import torch
 
 from peradapt.adapters import AdapterState
-from peradapt.compute.metrics import metric_name, metric_value, summary
+from peradapt.compute.task_metric import mean_and_std, metric_name, metric_value
 from peradapt.compute.trainer import LocalTrainer
 from peradapt.data import ClientData, ImageSet
 
@@ -108,13 +108,13 @@ def _runs_of_shared_state(
         yield run_state, run
 
 
-def summarize(evaluation: dict) -> dict[str, float]:
+def flat_scores(evaluation: dict) -> dict[str, float]:
     """Flat means and stds, the form logged per round and printed in tables."""
     flat: dict[str, float] = {}
     for who in ("personalized", "global"):
         for split, values in evaluation[who].items():
             if isinstance(values, list):
-                stats = summary(values)
+                stats = mean_and_std(values)
                 flat[f"{who}_{split}"] = stats["mean"]
                 flat[f"{who}_{split}_std"] = stats["std"]
             else:
