@@ -377,7 +377,7 @@ def device_name(device: torch.device) -> str:
 def measure(root: Path, sizes: Sizes, device: torch.device, data_dir: str | None) -> dict:
     from rich.console import Console
 
-    from peradapt.federation.engine import LocalClients
+    from peradapt.federation.clients import LocalClients
     from peradapt.seeds import SERVER, derive_seed, sample_clients
 
     started = time.perf_counter()

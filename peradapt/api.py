@@ -57,7 +57,7 @@ def training_config(options: TrainOptions | None = None, /, **values: Any) -> Tr
     settings win; `values` are the settings and those of `train`'s options (`TrainOptions`), or the settings alone
     where `options` is given. With `resume`, the saved config of the run in `out`, where only the settings no result
     depends on may change (`config.OUTCOME_FREE`: rounds, eval_every, device, out, ...)."""
-    from peradapt.federation.engine import resume_config
+    from peradapt.federation.lifecycle import resume_config
     from peradapt.presets import preset_settings
 
     options, settings = TrainOptions.split(options, values)

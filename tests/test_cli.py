@@ -17,7 +17,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 import peradapt.cli as cli
-import peradapt.federation.engine as engine
+import peradapt.federation.rounds as rounds
 from peradapt import api
 from peradapt.cli import main
 from peradapt.errors import ConfigError
@@ -241,17 +241,17 @@ class Crash(Exception):
 
 def crash_after_round(crash_round: int, args: list[str], capsys, monkeypatch) -> None:
     """`peradapt ARGS`, stopped by an exception right after the checkpoint of round `crash_round` is written."""
-    save_round = engine._save_round
+    save_round = rounds.save_round
 
     def save_then_crash(session, global_state, history, paths):
         save_round(session, global_state, history, paths)
         if len(history) == crash_round:
             raise Crash
 
-    monkeypatch.setattr(engine, "_save_round", save_then_crash)
+    monkeypatch.setattr(rounds, "save_round", save_then_crash)
     with pytest.raises(Crash):
         run_cli(args, capsys, monkeypatch)
-    monkeypatch.setattr(engine, "_save_round", save_round)
+    monkeypatch.setattr(rounds, "save_round", save_round)
 
 
 def test_resume_after_a_crash_ends_with_identical_files(finished_run, tmp_path, fmnist_dir, capsys, monkeypatch, home):

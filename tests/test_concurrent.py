@@ -20,7 +20,7 @@ from peradapt.compute.trainer import InputPipeline, LocalTrainer, ParameterGroup
 from peradapt.config import TrainConfig
 from peradapt.data import ImageSet
 from peradapt.errors import ConfigError, TrainingDiverged
-from peradapt.federation.engine import LocalClients, RoundTask
+from peradapt.federation.clients import LocalClients, RoundTask
 from peradapt.methods import METHODS
 from peradapt.methods.base import LocalSGDMethod, trains_by_sgd_jobs
 from peradapt.methods.partial import personal_keys

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch.testing import assert_close
 
-import peradapt.federation.engine as engine
+import peradapt.federation.lifecycle as lifecycle
 from peradapt.cli import main
 from peradapt.compute.costs import elements
 from peradapt.config import MethodConfig, TrainConfig
@@ -310,7 +310,7 @@ def test_r2_does_not_move_with_the_learning_rate_or_the_batch_size(tmp_path):
             client_sample=clients,
             federated_clients=clients,
         )
-        record = engine._choose_lam(session, tmp_path, resume=False, console=Console(file=io.StringIO()))
+        record = lifecycle.choose_lam(session, tmp_path, resume=False, console=Console(file=io.StringIO()))
         assert config.lam == record.lam
         return record
 
@@ -398,7 +398,7 @@ def test_resume_reuses_the_saved_lam_without_estimating_again(
     def no_estimate(*args, **kwargs):
         raise AssertionError("a resumed run must not estimate lam again")
 
-    monkeypatch.setattr(engine, "estimate_lam", no_estimate)
+    monkeypatch.setattr(lifecycle, "estimate_lam", no_estimate)
     code, _, err = run_cli(tiny_args(fmnist_dir, run, *AUTO, "--resume"), capsys, monkeypatch)  # `--lam auto` again
     assert code == 0, err
     assert "after round 1" in err
@@ -409,10 +409,10 @@ def test_resume_config_keeps_the_chosen_lam(auto_run):
     run = auto_run[0]
     saved = json.loads((run / "config.json").read_text())["config"]["method"]["lam"]
     for overrides in ({"out": str(run)}, {"out": str(run), "lam": "auto"}, {"out": str(run), "lam": "AUTO"}):
-        config = engine.resume_config(run, overrides)
+        config = lifecycle.resume_config(run, overrides)
         assert (config.method.lam, config.method.lam_auto) == (saved, True)
     with pytest.raises(RunError, match="lam"):
-        engine.resume_config(run, {"out": str(run), "lam": "0.5"})
+        lifecycle.resume_config(run, {"out": str(run), "lam": "0.5"})
 
 
 class NoProximal(Method):

@@ -27,6 +27,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import peradapt.commands.training as training
 import peradapt.federation.engine as engine
+import peradapt.federation.lifecycle as lifecycle
+import peradapt.federation.rounds as rounds
 from peradapt.cli import main
 from peradapt.commands.finished_run import open_run
 from peradapt.config import TrainConfig
@@ -222,10 +224,10 @@ def two_supernodes(tmp_path: Path) -> list[dict]:
 
 
 def train_on_grid(values: dict, grid: Grid, *, resume: bool = False) -> Report:
-    config = engine.resume_config(Path(values["out"]), values) if resume else TrainConfig.from_flat(values)
+    config = lifecycle.resume_config(Path(values["out"]), values) if resume else TrainConfig.from_flat(values)
     console = Console(stderr=True, quiet=True)
-    with engine.opened_run(config, resume=resume, console=console) as run:
-        return engine.run_federation(run, FlowerClients(grid, run), console)
+    with lifecycle.opened_run(config, resume=resume, console=console) as run:
+        return rounds.FederatedRun(run, FlowerClients(grid, run), console).play()
 
 
 def test_supernodes_keep_their_own_clients_state_apfl(tmp_path, fmnist_dir, server_identity, home):
@@ -261,14 +263,14 @@ def test_a_crash_between_client_writes_and_the_checkpoint_resumes_to_the_same_nu
     engine.train(TrainConfig.from_flat(values), console=Console(stderr=True, quiet=True))
     flower = {**values, "out": str(tmp_path / "flower"), "engine": "flower"}
     nodes = two_supernodes(tmp_path)
-    save_round = engine._save_round
+    save_round = rounds.save_round
 
     def crash_before_checkpoint_2(session, global_state, history, paths):
         if len(history) == 2:
             raise Crash
         save_round(session, global_state, history, paths)
 
-    monkeypatch.setattr(engine, "_save_round", crash_before_checkpoint_2)
+    monkeypatch.setattr(rounds, "save_round", crash_before_checkpoint_2)
     with pytest.raises(Crash):
         train_on_grid(flower, InProcessGrid(nodes))
     assert len(metrics(tmp_path / "builtin")[1]["clients"]) == 2  # 2 sampled and aggregated ...
@@ -276,7 +278,7 @@ def test_a_crash_between_client_writes_and_the_checkpoint_resumes_to_the_same_nu
     written = {client for states in stores for (client, _), versions in states.items() if 2 in versions}
     assert written == set(range(4))  # ... all 4 trained (Algorithm 1) and wrote their states; no checkpoint says so
 
-    monkeypatch.setattr(engine, "_save_round", save_round)
+    monkeypatch.setattr(rounds, "save_round", save_round)
     train_on_grid(flower, InProcessGrid(nodes), resume=True)  # nodes drop round 2's versions and replay it
     assert_same_results(tmp_path / "builtin", tmp_path / "flower")
     for node in nodes:

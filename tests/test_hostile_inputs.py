@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import peradapt.federation.engine as engine
+import peradapt.federation.lifecycle as lifecycle
 from peradapt.cli import add_setting_flags, app
 from peradapt.config import listed_settings, setting_owners
 
@@ -109,7 +109,7 @@ def outcome(args, capsys, monkeypatch) -> str:
 )
 @given(data=st.data())
 def test_any_number_for_any_train_setting(data, tmp_path, fmnist_dir, capsys, monkeypatch, home):
-    monkeypatch.setattr(engine, "RunLock", StopAtTheRunDirectory)
+    monkeypatch.setattr(lifecycle, "RunLock", StopAtTheRunDirectory)
     numeric = numeric_settings()
     flag = data.draw(st.sampled_from([*numeric, *NUMBER_IN_STRING]), label="flag")
     value = data.draw(NUMBERS, label="value")

@@ -228,14 +228,14 @@ def test_export_onto_a_full_disk(finished, tmpfs, tmp_path, home, capsys, monkey
 def test_a_full_disk_at_the_export_of_adapters_then_resume(finished, tmp_path, fmnist_dir, home, capsys, monkeypatch):
     """ENOSPC writing the clients' adapters after the last round: one line that says how to go on, and `--resume`
     (with space again) ends with the files of the uninterrupted run."""
-    from peradapt.federation import engine
+    from peradapt.federation import finish
 
     def full(directory: Path, files: dict[str, bytes]) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "adapter_model.safetensors"))
 
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "write_files", full)
+        patch.setattr(finish, "write_files", full)
         refused(small_args(fmnist_dir, run), capsys, monkeypatch, "no space left", "holds rounds 1-2", "--resume")
     code, _, err = run_cli([*small_args(fmnist_dir, run), "--resume"], capsys, monkeypatch)
     assert code == 0, err

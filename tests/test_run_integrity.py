@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import peradapt.federation.engine as engine
+import peradapt.federation.clients as client_side
+import peradapt.federation.rounds as rounds
 from peradapt.errors import ConfigError, DataError, Interrupted, RunError, TrainingDiverged, WeightsError
 from peradapt.rundir.lock import RunLock, deferred_interrupts
 
@@ -172,7 +173,7 @@ def test_extending_a_finished_run_killed_in_its_export_is_refused_then_completed
     two_rounds, three_rounds, tmp_path, fmnist_dir, capsys, monkeypatch, home
 ):
     run = copy_of(two_rounds, tmp_path)
-    exporting = engine.exporting
+    exporting = rounds.exporting
 
     def export_one_then_die(model, personalized, directory):
         export = exporting(model, personalized, directory)
@@ -184,10 +185,10 @@ def test_extending_a_finished_run_killed_in_its_export_is_refused_then_completed
 
         return first_only
 
-    monkeypatch.setattr(engine, "exporting", export_one_then_die)
+    monkeypatch.setattr(rounds, "exporting", export_one_then_die)
     code, _, _ = run_cli(tiny_args(fmnist_dir, run, "--resume", "--rounds", "3"), capsys, monkeypatch)
     assert code == 137
-    monkeypatch.setattr(engine, "exporting", exporting)
+    monkeypatch.setattr(rounds, "exporting", exporting)
     # clients/0 holds round 3, clients/1-3 round 2: no command may take this for a finished run.
     assert not (run / "report.json").exists()
     for command in (["eval", "--run", str(run)], ["export", "--run", str(run), "--out", str(tmp_path / "x")]):
@@ -205,14 +206,14 @@ def test_extending_a_finished_run_killed_in_its_export_is_refused_then_completed
 
 def interrupt_in_round(round_number: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while round `round_number` trains its clients (after the checkpoint of the round before)."""
-    play = engine.play_client
+    play = client_side.play_client
 
     def play_or_interrupt(session, client_id, payload, round_index, share=1.0):
         if round_index + 1 == round_number:
             raise KeyboardInterrupt
         return play(session, client_id, payload, round_index, share)
 
-    monkeypatch.setattr(engine, "play_client", play_or_interrupt)
+    monkeypatch.setattr(client_side, "play_client", play_or_interrupt)
 
 
 def test_ctrl_c_says_how_to_resume_and_the_advice_works(three_rounds, tmp_path, fmnist_dir, capsys, monkeypatch, home):
@@ -246,7 +247,7 @@ def test_ctrl_c_or_a_failure_in_round_1_of_a_new_run_leaves_nothing(tmp_path, fm
     existing = tmp_path / "existing"  # a directory the user made: emptied of the run, kept
     existing.mkdir()
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "play_client", diverge)
+        patch.setattr(client_side, "play_client", diverge)
         expect_refusal(tiny_args(fmnist_dir, run), capsys, monkeypatch, "--lr", untouched=run)
         expect_refusal(tiny_args(fmnist_dir, existing), capsys, monkeypatch, "--lr", untouched=existing)
 

@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-import peradapt.federation.engine as engine
 from peradapt.adapters import inject_adapters
 from peradapt.backbones import create_backbone
 from peradapt.cli import main
 from peradapt.config import DISK_STORE_ABOVE, FederationConfig
 from peradapt.data.partition import parse_partition, partition_labels
+from peradapt.federation.rounds import FederatedRun
 from peradapt.rundir import store as store_module
 from peradapt.rundir.store import DiskClientStore
 
@@ -333,8 +333,8 @@ def train_guarded(args: list[str], patch: pytest.MonkeyPatch) -> list[tuple[int,
 
         return run
 
-    patch.setattr(engine, "_run_rounds", guarded(engine._run_rounds))
-    patch.setattr(engine, "_finish", guarded(engine._finish))
+    patch.setattr(FederatedRun, "play_rounds", guarded(FederatedRun.play_rounds))
+    patch.setattr(FederatedRun, "finish", guarded(FederatedRun.finish))
     patch.setattr(sys, "argv", ["peradapt", *args])
     main()
     assert copy.deepcopy({"a": 1}) == {"a": 1} and not hasattr(nn.Module, "__deepcopy__")  # the guard is gone

@@ -230,7 +230,7 @@ def test_resume_refuses_a_missing_package_and_a_damaged_trackers_file(runs, tmp_
 def test_a_new_run_that_fails_in_its_first_round_leaves_no_tracker_files(
     tmp_path, fmnist_dir, capsys, monkeypatch, home
 ):
-    import peradapt.federation.engine as engine
+    import peradapt.federation.rounds as rounds
 
     class Failed(Exception):
         pass
@@ -240,7 +240,7 @@ def test_a_new_run_that_fails_in_its_first_round_leaves_no_tracker_files(
 
     run = tmp_path / "existing"
     run.mkdir()  # a directory the run did not make: only the run's files go
-    monkeypatch.setattr(engine, "_save_round", fail)
+    monkeypatch.setattr(rounds, "save_round", fail)
     with pytest.raises(Failed):
         run_cli(two_rounds(fmnist_dir, run, "--log", "tensorboard,mlflow"), capsys, monkeypatch)
     assert list(run.iterdir()) == []

@@ -60,7 +60,8 @@ from peradapt.evaluation.statistics import (
     paired_difference,
     tied_ranks,
 )
-from peradapt.federation.engine import check_budget, resume_config
+from peradapt.federation.budget import check_budget
+from peradapt.federation.lifecycle import resume_config
 from peradapt.federation.session import build_session
 from peradapt.methods import method_class
 from peradapt.options import TUNING_SEED, CompareOptions

@@ -2,13 +2,13 @@
 take on this machine, before anything is written.
 
 Each run's session is built as the run builds it (`build_session`: every input checked, a --budget the run cannot
-reach refused by `check_budget`) and its work counted as the engine's round loop (`federation.engine._run_rounds`)
-and final evaluation (`engine._finish`) would do it:
+reach refused by `check_budget`) and its work counted as the engine's round loop (`federation.rounds.FederatedRun`)
+and final evaluation (`FederatedRun.finish`) would do it:
 
 - each round, the clients it samples (`seeds.sample_clients`), those the method trains (`Method.clients_to_train`)
   and the training samples of each (`Method.client_samples_bound`: exact for local SGD by epochs or steps, an upper
   figure where a method's work varies); under --budget client-samples:N the final personalization is set aside and
-  the last round's clients do the share of their work that is left, as the engine does (`engine.budget_share`);
+  the last round's clients do the share of their work that is left, as the engine does (`budget.budget_share`);
   every client answers and none straggles (--participation and --stragglers only lower the work);
 - the personalization a method trains when it hands out a client's model (`Method.personalization_samples`:
   fine-tuning), at each evaluation and after the rounds: in the client samples (the final one, as --budget counts
@@ -40,7 +40,7 @@ from rich.table import Table
 from peradapt.commands.tuning import searched, trial_stages
 from peradapt.config import TrainConfig, settings_for_method
 from peradapt.distill.kd import validation_checks
-from peradapt.federation.engine import budget_limit, budget_share, check_budget, personalization_reserve
+from peradapt.federation.budget import budget_limit, budget_share, check_budget, personalization_reserve
 from peradapt.federation.session import Session, build_session
 from peradapt.options import TUNING_SEED
 from peradapt.progress import counted
@@ -109,7 +109,7 @@ def counted_work(session: Session, final_evaluations: int = 1) -> Work:
     limit = budget_limit(config)
     bounds = {client.client_id: method.client_samples_bound(client) for client in federated}
     known = None not in bounds.values()
-    budgeted = limit is not None and known and session.trainer.privacy is None  # as `engine.budget_share` cuts
+    budgeted = limit is not None and known and session.trainer.privacy is None  # as `budget.budget_share` cuts
     reserve = personalization_reserve(session)  # the final personalization, which --budget sets aside
     samples = steps = rounds = distilling = 0.0
     for round_index in range(fed.rounds):

@@ -26,7 +26,7 @@ from peradapt.data.hfdata import load_hf
 from peradapt.data.ood import OodTarget, load_imagefolder, relabel
 from peradapt.errors import DataError, RunError
 from peradapt.evaluation import metric_name
-from peradapt.federation.engine import sample_flops
+from peradapt.federation.finish import sample_flops
 from peradapt.federation.session import Session
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths

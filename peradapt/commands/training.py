@@ -10,6 +10,7 @@ from rich.console import Console
 
 from peradapt.config import TrainConfig
 from peradapt.federation import engine
+from peradapt.federation.lifecycle import opened_run
 from peradapt.progress import text_console
 from peradapt.rundir.records import Report
 
@@ -26,5 +27,5 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
             f"--concurrent-clients {config.federation.concurrent_clients}: each Flower ClientApp trains its one client"
         )
 
-    with engine.opened_run(config, resume=resume, console=console) as run:
+    with opened_run(config, resume=resume, console=console) as run:
         return simulate(run, console)

@@ -54,7 +54,7 @@ from rich.console import Console
 from peradapt.commands.training import train
 from peradapt.config import OUTCOME_FREE, TrainConfig, method_path_label, search_space, settings_for_method
 from peradapt.errors import ConfigError, Interrupted, TrainingDiverged
-from peradapt.federation.engine import resume_config
+from peradapt.federation.lifecycle import resume_config
 from peradapt.progress import counted, text_console
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.layout import RunPaths, read_report

@@ -47,6 +47,23 @@ class ClientWork:
     trained: int = 0
 
 
+@dataclass(frozen=True)
+class ServerWork:
+    """The server's work so far beyond averaging (distillation): the samples it trained the student on, those it
+    passed through teachers, and its seconds (`Method.server_work`)."""
+
+    samples_trained: int = 0
+    samples_inferred: int = 0
+    seconds: float = 0.0
+
+    def __sub__(self, before: ServerWork) -> ServerWork:
+        return ServerWork(
+            self.samples_trained - before.samples_trained,
+            self.samples_inferred - before.samples_inferred,
+            self.seconds - before.seconds,
+        )
+
+
 def elements(state: Mapping[str, torch.Tensor]) -> int:
     """The elements of the floating-point tensors of `state` (parameters, running statistics, a method's extra
     entries; not integer counters)."""

@@ -3,7 +3,7 @@
 peradapt's round loop (`federation.engine`) stays the server's: it samples, runs the method's `server_update`
 (PerAda's distillation included), evaluates, checkpoints and exports exactly as the builtin engine does. What
 Flower adds is where the clients run and what travels: `strategy.PeradaptStrategy` turns each sampled client into
-a message holding the global adapter, `client.app` (a ClientApp) plays that client with `engine.play_client` and
+a message holding the global adapter, `client.app` (a ClientApp) plays that client with `clients.play_client` and
 replies with its upload, and `server.FlowerClients` exchanges these messages through a Flower Grid.
 
 - `peradapt train --engine flower` runs it in Flower's simulation runtime (Ray) on this machine (`simulation`).

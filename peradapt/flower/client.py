@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 
 from peradapt.compute.costs import own_elements
 from peradapt.errors import ConfigError
-from peradapt.federation.engine import play_client
+from peradapt.federation.clients import play_client
 from peradapt.federation.session import Session, open_session
 from peradapt.flower import records as r
 from peradapt.rundir.checkpoint import write_text_atomic

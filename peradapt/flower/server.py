@@ -26,7 +26,9 @@ from peradapt.adapters import AdapterState
 from peradapt.config import TrainConfig, read_config_file
 from peradapt.data import ClientData
 from peradapt.errors import ConfigError, RunError
-from peradapt.federation.engine import PreparedRun, RoundTask, opened_run, resume_config, run_federation
+from peradapt.federation.clients import RoundTask
+from peradapt.federation.lifecycle import PreparedRun, opened_run, resume_config
+from peradapt.federation.rounds import FederatedRun
 from peradapt.flower import records as r
 from peradapt.flower.strategy import PeradaptStrategy
 from peradapt.methods import ClientUpdate
@@ -144,7 +146,7 @@ def main(grid: Grid, context: Context) -> None:
     console = text_console(stderr=True)
     config, resume = deployed_config(context.run_config)
     with opened_run(config, resume=resume, console=console) as run:
-        run_federation(run, FlowerClients(grid, run), console)
+        FederatedRun(run, FlowerClients(grid, run), console).play()
     console.print(f"run directory: {config.out}")
 
 

@@ -27,7 +27,8 @@ from flwr.simulation import run_simulation
 from rich.console import Console
 
 from peradapt.errors import ConfigError, PeradaptError, RunError
-from peradapt.federation.engine import PreparedRun, run_federation
+from peradapt.federation.lifecycle import PreparedRun
+from peradapt.federation.rounds import FederatedRun
 from peradapt.flower.client import app as client_app
 from peradapt.flower.server import FlowerClients
 from peradapt.rundir.records import Report
@@ -48,7 +49,7 @@ def simulate(run: PreparedRun, console: Console) -> Report:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        outcome["report"] = run_federation(run, FlowerClients(grid, run, stopped=stopped.is_set), console)
+        outcome["report"] = FederatedRun(run, FlowerClients(grid, run, stopped=stopped.is_set), console).play()
 
     try:
         with _quiet():

@@ -29,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from peradapt.adapters import AdapterState
 from peradapt.compute.costs import ClientWork
 from peradapt.errors import ConfigError
-from peradapt.federation.engine import RoundTask
+from peradapt.federation.clients import RoundTask
 from peradapt.federation.session import Session
 from peradapt.flower import records as r
 from peradapt.methods import ClientUpdate

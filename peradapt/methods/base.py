@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from peradapt.adapters import AdapterState, average_states
-from peradapt.compute.costs import ClientWork, sgd_samples
+from peradapt.compute.costs import ClientWork, ServerWork, sgd_samples
 from peradapt.compute.trainer import LocalTrainer, SGDJob, SGDResult
 from peradapt.config import MethodConfig, check_method_settings
 from peradapt.data import ClientData
@@ -143,6 +143,20 @@ class Method(ABC):
         `on_step(k)`: progress of a server step that takes many (distillation). Default: the mean of the uploads
         (`server_mean`), FedAvg's server step, which most methods share."""
         return self.server_mean(updates), {}
+
+    def server_steps(self, round_index: int) -> int:
+        """The steps of round `round_index`'s server update that it reports through `on_step`: the distillation's
+        where it distills that round, else none (the engine shows them as progress)."""
+        distiller = self.context.distiller
+        return distiller.config.kd_steps if distiller is not None and distiller.active(round_index) else 0
+
+    def server_work(self) -> ServerWork:
+        """The server's work so far beyond averaging (the engine counts each round's as the difference): the
+        distillation's samples and seconds, or none."""
+        distiller = self.context.distiller
+        if distiller is None:
+            return ServerWork()
+        return ServerWork(distiller.samples_trained, distiller.samples_inferred, distiller.seconds)
 
     @abstractmethod
     def personalized(self, client_id: int, global_state: AdapterState) -> AdapterState:

@@ -201,7 +201,7 @@ class Timing(Record):
 @dataclass(frozen=True, kw_only=True)
 class Cost(Record):
     """The rounds' costs in total, the final personalization's, the parameter counts and the budget
-    (`engine.cost_report`)."""
+    (`federation.finish.cost_report`)."""
 
     rounds_played: int
     bytes_down: int
@@ -262,7 +262,7 @@ class Resolved(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Report(Record):
-    """report.json: a finished run's final evaluation (`engine.build_report`)."""
+    """report.json: a finished run's final evaluation (`federation.finish.build_report`)."""
 
     method: str
     data: str
@@ -343,7 +343,7 @@ class RoundTiming(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class RoundRecord(Record):
-    """A round (`engine._run_rounds`): a line of metrics.jsonl, an entry of a checkpoint's "metrics"."""
+    """A round (`FederatedRun.play_round`): a line of metrics.jsonl, an entry of a checkpoint's "metrics"."""
 
     round: int
     clients: list[int]  # sampled, in the order they are aggregated
