@@ -16,6 +16,7 @@ nothing is written then. The machine refusing a write (a read-only place, a full
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,7 @@ def training_config(options: TrainOptions | None = None, /, **values: Any) -> Tr
     settings win; `values` are the settings and those of `train`'s options (`TrainOptions`), or the settings alone
     where `options` is given. With `resume`, the saved config of the run in `out`, where only the settings no result
     depends on may change (`config.OUTCOME_FREE`: rounds, eval_every, device, out, ...)."""
-    from peradapt.federation.lifecycle import resume_config
+    from peradapt.federation.lifecycle import default_run_dir, resume_config
     from peradapt.presets import preset_settings
 
     options, settings = TrainOptions.split(options, values)
@@ -79,6 +80,8 @@ def training_config(options: TrainOptions | None = None, /, **values: Any) -> Tr
                 "--validation-fraction sizes the validation split of --eval-split validation, and this run scores on "
                 "its test split: give --eval-split validation, or drop --validation-fraction"
             )
+    if config.out is None:  # the run directory named, as `train` prints it: runs/DATA-METHOD-seedSEED
+        config = dataclasses.replace(config, out=str(default_run_dir(config)))
     config.origins = origins
     return config
 
@@ -98,7 +101,7 @@ def train(
     `config`: a whole `TrainConfig` (`values` may then say `resume` or `dry_run`), or the `train` command's options
     (`TrainOptions`: resume, preset, config, dry_run) with `values` the settings; else `values` are both (see
     `training_config`). The run directory is
-    `config.out` (set to the default, `runs/DATA-METHOD-seedSEED`, when none is given). `dry_run`: instead, what the
+    `config.out` (the default, `runs/DATA-METHOD-seedSEED`, where none is given). `dry_run`: instead, what the
     run would do and about how long it would take on this machine, with nothing written
     (`peradapt.commands.estimate.estimate_sweep`)."""
     from peradapt.commands.training import train as run_training

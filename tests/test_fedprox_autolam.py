@@ -27,7 +27,7 @@ from peradapt.methods.fedprox import FedProx, FedProxSettings
 from peradapt.methods.perada import PerAda, PerAdaNoKD
 from peradapt.rundir.store import ClientStore
 
-from .conftest import measured_counts
+from .conftest import measured_counts, settings
 from .test_cli import crash_after_round, results, run_cli, tiny_args
 from .test_perada import BATCH, TOL, assign, client, hand_sgd_step, image_set, normalized, perturbed, tiny_trainer
 
@@ -310,9 +310,7 @@ def test_r2_does_not_move_with_the_learning_rate_or_the_batch_size(tmp_path):
             client_sample=clients,
             federated_clients=clients,
         )
-        record = lifecycle.choose_lam(session, tmp_path, resume=False, console=Console(file=io.StringIO()))
-        assert config.lam == record.lam
-        return record
+        return lifecycle.choose_lam(session, tmp_path, resume=False, console=Console(file=io.StringIO()))
 
     def warmup_spread(lr):
         trainer = tiny_trainer(BATCH)
@@ -385,6 +383,20 @@ def test_cli_lam_auto_records_the_estimate_and_trains_with_it(auto_run):
     assert saved["config"]["method"]["lam"] == record["lam"] != 1.0  # the rounds used the chosen lam
     assert saved["config"]["method"]["lam_auto"] is True
     assert f"R²={record['r2']:.4g} (max over 4 clients" in err and f"regime {record['regime']}" in err
+
+
+def test_a_run_leaves_the_config_it_was_given_as_it_was(tmp_path, fmnist_dir, monkeypatch, home):
+    """The run takes its directory and --lam auto's λ into a copy of its own: the caller's config is not written."""
+    from peradapt.federation.engine import train
+
+    monkeypatch.chdir(tmp_path)  # no --out: the default run directory, under runs/
+    values = {**settings(fmnist_dir, tmp_path, method="perada", lam="auto", rounds=1), "out": None}
+    config = TrainConfig.from_flat(values)
+    before = config.to_dict()
+    train(config, console=Console(file=io.StringIO()))
+    assert config.to_dict() == before and config.out is None and config.method.lam == MethodConfig.lam
+    saved = json.loads(next((tmp_path / "runs").glob("*/config.json")).read_text())
+    assert saved["config"]["method"]["lam"] == saved["resolved"]["lam_auto"]["lam"] != config.method.lam
 
 
 def test_resume_reuses_the_saved_lam_without_estimating_again(

@@ -99,7 +99,7 @@ def opened_run(config: TrainConfig, *, resume: bool, console: Console) -> Iterat
     check_installed(config.log)  # --log: each tracker's package, before anything is built or written
     reset_peak_memory()  # this run's peaks, not those of the runs this process made before (compare)
     run_dir = Path(config.out) if config.out else default_run_dir(config)
-    config.out = str(run_dir)
+    config = replace(config, out=str(run_dir))  # the run's own copy, with its directory: the caller's is not written
     paths = RunPaths(run_dir)
     if not resume and paths.config.exists():  # said before the session is built, which takes a while
         raise _already_a_run(run_dir)
@@ -149,6 +149,9 @@ def _prepare(session: Session, paths: RunPaths, resume: bool, console: Console) 
             "statistics; the authors' distillation needs both (docs/REPRODUCING.md)"
         )
     lam_auto = choose_lam(session, run_dir, resume, console)
+    if lam_auto is not None and not resume:  # a resumed run's saved config holds its λ already
+        session.use_lam(lam_auto.lam)
+    config = session.config
     resolved = replace(session.resolved(), lam_auto=lam_auto)
     # --log: the trackers start (or continue their runs) after every check, and log the rounds they lack
     tracking = open_tracking(config, run_dir, resolved=resolved.to_json(), history=history, resume=resume)
@@ -221,7 +224,7 @@ def choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) 
     config = session.config.method
     if not config.lam_auto:  # a method without a proximal strength was refused by `build_session`
         return None
-    if resume:  # config.lam already holds the saved choice
+    if resume:  # the saved config's λ is that choice
         return read_run_config(run_dir)[1].lam_auto
     lam_max = 1 / max(config.lr, config.personal_lr or config.lr)  # a proximal step never overshoots w_g
     record = LamAuto(
@@ -233,7 +236,6 @@ def choose_lam(session: Session, run_dir: Path, resume: bool, console: Console) 
             num_clients=len(session.federated_clients),
         )
     )
-    config.lam = record.lam  # the method's config is this same object
     console.print(
         f"--lam auto: R²={record.r2:.4g} (max over {counted(record.clients, 'client')}, "
         f"median {record.r2_median:.4g}; n={record.n:.4g}), regime {record.regime}, "

@@ -62,6 +62,14 @@ class Session:
     backbone_sha256: str  # `weights_fingerprint` of the backbone: a reopened run refuses other weights
     pinned_copy: Path | None = None  # loaded from the run's pinned copy of its weights file (`open_session`)
 
+    def use_lam(self, lam: float) -> None:
+        """Train with proximal strength `lam` (--lam auto's choice, made once the session is built): the session's
+        config and its method's settings become copies with it, so that the config the session was built from is
+        not written."""
+        method_config = replace(self.config.method, lam=lam)
+        self.config = replace(self.config, method=method_config)
+        self.method.config = method_config
+
     @property
     def federated_clients(self) -> list[ClientData]:
         """The clients that take part in training: all but the last --holdout-clients."""
