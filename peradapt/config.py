@@ -788,15 +788,14 @@ class TrainConfig:
             else:
                 flat[key] = value
         method = flat.get("method", MethodConfig.method)
-        for old, new in renamed_settings(method).items():  # a config.json written before the rename
-            if old in flat:
-                flat.setdefault(new, flat.pop(old))
         for key, value in flat.items():
             declared = find_setting(key)
             if declared is not None and not declared.is_json_type(value):
                 kind = declared.type.replace(" | None", " or null")
                 raise ConfigError(f"setting '{key}' must be {kind}, got {value!r}")
-        return cls.from_flat(settings_for_method(flat, method))
+        kept = settings_for_method(flat, method)
+        kept.update({old: flat[old] for old in renamed_settings(method) if old in flat})  # refused, naming the new key
+        return cls.from_flat(kept)
 
     def validate(self) -> None:
         """Every setting's own checks (`Setting.validate`), then the rules between settings."""

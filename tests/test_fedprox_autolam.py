@@ -109,15 +109,16 @@ def test_server_step_is_the_gradient_step_on_the_moreau_envelope():
     assert_close(stepped["w"], torch.tensor([1.5, 5.0]))
 
 
-def test_the_server_steps_former_key_is_refused_naming_its_own_and_read_from_an_old_run():
-    """--beta, the key fedprox shared with pFedMe's β until each had its own, names --fedprox-server-step; a run's
-    config.json written before keeps its step."""
+def test_the_server_steps_former_key_is_refused_naming_its_own():
+    """--beta, the key fedprox shared with pFedMe's β until each had its own, names --fedprox-server-step, in flags
+    and in a run's config.json alike (the package was never released with the old key)."""
     refusal = r"^--beta is no setting of --method fedprox any more: use --fedprox-server-step$"
     with pytest.raises(ConfigError, match=refusal):
         TrainConfig.from_flat({"method": "fedprox", "beta": 0.5})
     saved = TrainConfig.from_flat({"method": "fedprox", "fedprox_server_step": 0.5}).to_dict()
     saved["method"]["beta"] = saved["method"].pop("fedprox_server_step")
-    assert TrainConfig.from_dict(saved).method_settings == FedProxSettings(fedprox_server_step=0.5)
+    with pytest.raises(ConfigError, match=refusal):
+        TrainConfig.from_dict(saved)
     assert TrainConfig.from_flat({"method": "pfedme", "beta": 0.5}).method_settings.beta == 0.5  # pFedMe's own β
 
 

@@ -43,8 +43,8 @@ from peradapt.settings import Search, setting
 class FedProxSettings:
     """Personalized FedProx's own setting."""
 
-    # The key this step shared with pFedMe's β until each had its own: refused, naming the new one; a run's
-    # config.json from before is read under the new key (config.renamed_settings)
+    # The key this step shared with pFedMe's β until each had its own: refused, naming the new one, in flags, config
+    # files and a run's config.json alike (config.renamed_settings)
     renamed: ClassVar[Mapping[str, str]] = {"beta": "fedprox_server_step"}
 
     fedprox_server_step: float = setting(
