@@ -21,6 +21,7 @@ from peradapt.data import build_federation, fixed_splits, load_source
 from peradapt.data import decode as decode_module
 from peradapt.data.decode import common_size
 from peradapt.data.ood import OodTarget, load_ood
+from peradapt.data.sources import SourceSpec
 from peradapt.errors import DataError, WeightsError
 from peradapt.federation.session import open_session
 
@@ -179,7 +180,7 @@ def test_eval_ood_imagefolder_reports_its_bad_images_the_same_way(tmp_path, cach
     folder = write_folder(tmp_path / "ood", per_class=2, classes=("0", "1"))
     (folder / "0" / "a.png").write_bytes(b"not a png")
     (folder / "1" / "b.jpg").write_bytes(cut_jpeg())
-    target = OodTarget("imagefolder:x", 2, image_size=SIDE, channels=1)
+    target = OodTarget(SourceSpec("imagefolder:x"), 2, image_size=SIDE, channels=1)
     with pytest.raises(
         DataError,
         match=r"imagefolder:.*ood: 2 images cannot be decoded \(0/a.png, 1/b.jpg\); "

@@ -19,6 +19,7 @@ from peradapt.data import build_federation, fixed_splits, load_source, load_unla
 from peradapt.data import decode as decode_module
 from peradapt.data.hfdata import INSTALL_HINT
 from peradapt.data.ood import OodTarget, load_ood
+from peradapt.data.sources import SourceSpec
 from peradapt.errors import ConfigError, DataError
 
 from .conftest import TINY_BACKBONE
@@ -350,7 +351,7 @@ def test_svhn_and_stl10_read_torchvision_files_without_md5(torchvision_dir, cach
     assert len(own_split.kd) == 3  # own 1/10
 
     # An OOD set of its own classes: STL-10's car is CIFAR-10's automobile; monkey is left out.
-    cifar = OodTarget("cifar10", 10, image_size=SIDE, channels=3, data_dir=directory)
+    cifar = OodTarget(SourceSpec("cifar10", directory), 10, image_size=SIDE, channels=3)
     [part] = load_ood("stl10", cifar).parts
     kept = [label for label in stl10["test"][1] if label != 7]
     assert len(part.images) == len(kept) and part.images.labels.tolist()[:3] == [0, 2, 1]

@@ -21,7 +21,7 @@ from peradapt.config import BackboneConfig
 from peradapt.data import sources
 from peradapt.data.images import Rows
 from peradapt.data.ood import OodTarget, load_ood
-from peradapt.data.sources import load_source, scan_unlabeled
+from peradapt.data.sources import SourceSpec, load_source, scan_unlabeled
 from peradapt.errors import DataError, WeightsError
 
 from .conftest import TINY_BACKBONE
@@ -83,7 +83,7 @@ def test_a_picture_over_pillows_limit_is_one_bad_image_that_skip_leaves_out(tmp_
 def test_eval_ood_imagefolder_reports_a_picture_over_pillows_limit_as_bad(tmp_path, cache_home, low_pixel_limit):
     folder = write_folder(tmp_path / "ood", per_class=2, classes=("0", "1"))
     save_grey(folder / "1" / "huge.png", BOMB_SIDE)
-    target = OodTarget("imagefolder:x", 2, image_size=SIDE, channels=1)
+    target = OodTarget(SourceSpec("imagefolder:x"), 2, image_size=SIDE, channels=1)
     with pytest.raises(DataError, match=r"1 image cannot be decoded \(1/huge.png\)") as caught:
         load_ood(f"imagefolder:{folder}", target)
     assert "too large" in listed_file(str(caught.value)).read_text()
@@ -97,7 +97,8 @@ def test_a_picture_between_once_and_twice_the_limit_decodes_without_a_warning(tm
         source = load_source(f"imagefolder:{folder}", None)
         assert len(source.train) == 13 and source.train.images.shape[-1] == SIDE
         ood = load_ood(
-            f"imagefolder:{folder}", OodTarget("imagefolder:x", 3, image_size=SIDE, channels=1, classes=CLASSES)
+            f"imagefolder:{folder}",
+            OodTarget(SourceSpec("imagefolder:x"), 3, image_size=SIDE, channels=1, classes=CLASSES),
         )
         assert len(ood.parts[0].images) == 13
 
@@ -200,7 +201,7 @@ def test_a_data_dir_without_the_idx_files_is_refused_not_replaced_by_the_system_
 
 
 def test_the_ood_folder_hint_names_folders_that_can_exist(tmp_path, cache_home):
-    target = OodTarget("fmnist", 10, image_size=SIDE, channels=1)
+    target = OodTarget(SourceSpec("fmnist"), 10, image_size=SIDE, channels=1)
     folder = write_folder(tmp_path / "ood", per_class=2, classes=("Trouser", "Shirtt"))
     with pytest.raises(DataError) as caught:
         load_ood(f"imagefolder:{folder}", target)

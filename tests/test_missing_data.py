@@ -13,6 +13,7 @@ import torchvision
 
 from peradapt.data import load_source, sources
 from peradapt.data.ood import OodTarget, load_ood
+from peradapt.data.sources import SourceSpec
 from peradapt.errors import DataError
 
 from .conftest import TINY_BACKBONE
@@ -119,7 +120,7 @@ def test_a_failed_download_says_so_and_what_to_do_offline(data, stand_in, empty,
 @pytest.mark.parametrize("kind", ["svhn", "stl10", "cifar10.1"])
 def test_ood_sets_of_eval_never_mention_download(kind, empty):
     # `eval --ood` reads its sets from files only (it takes no --download), in PATH or the run's --data-dir.
-    target = OodTarget("cifar10", 10, image_size=8, channels=3, data_dir=empty)
+    target = OodTarget(SourceSpec("cifar10", empty), 10, image_size=8, channels=3)
     for name in (kind, f"{kind}:{empty}"):
         with pytest.raises(DataError) as caught:
             load_ood(name, target)

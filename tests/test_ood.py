@@ -12,7 +12,7 @@ from PIL import Image
 
 from peradapt.data.images import ImageSet
 from peradapt.data.ood import GRAYSCALE_CORRUPTIONS, SEVERITIES, OodTarget, corrupt, load_ood
-from peradapt.data.sources import SourceData
+from peradapt.data.sources import SourceData, SourceSpec
 from peradapt.errors import ConfigError, DataError
 
 from .conftest import striped_images
@@ -59,7 +59,7 @@ def test_reference_formulas_on_known_values():
 
 
 def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
-    target = OodTarget("fmnist", 10, image_size=32, channels=3, data_dir=fmnist_dir)
+    target = OodTarget(SourceSpec("fmnist", fmnist_dir), 10, image_size=32, channels=3)
     ood_set = load_ood("fmnist-c", target, limit=20, seed=0, cache_dir=tmp_path)
     parts = ood_set.parts
     assert "Fashion-MNIST" in ood_set.provenance
@@ -80,7 +80,7 @@ def test_fmnist_c_parts_in_the_run_format_and_cached(fmnist_dir, tmp_path):
     other = load_ood("fmnist-c", target, limit=20, seed=1, cache_dir=tmp_path).parts
     assert not torch.equal(other[0].images.images, parts[0].images.images)
     with pytest.raises(ConfigError, match="cifar10"):
-        load_ood("fmnist-c", OodTarget("cifar10", 10, 32, 3, fmnist_dir), cache_dir=None)
+        load_ood("fmnist-c", OodTarget(SourceSpec("cifar10", fmnist_dir), 10, 32, 3), cache_dir=None)
 
 
 def test_cifar10_c_layout(tmp_path):
@@ -91,13 +91,13 @@ def test_cifar10_c_layout(tmp_path):
     np.save(root / "labels.npy", labels)
     for name in ("fog", "gaussian_noise"):
         np.save(root / f"{name}.npy", rng.integers(0, 256, (len(labels), 32, 32, 3), dtype=np.uint8))
-    target = OodTarget("cifar10", 10, image_size=32, channels=3, data_dir=tmp_path / "data")
+    target = OodTarget(SourceSpec("cifar10", tmp_path / "data"), 10, image_size=32, channels=3)
     parts = load_ood("cifar10-c", target).parts
     assert [p.key for p in parts] == [f"{c}-{s}" for c in ("fog", "gaussian_noise") for s in SEVERITIES]
     stacked = np.load(root / "fog.npy")
     fog3 = next(p for p in parts if p.key == "fog-3")
     np.testing.assert_array_equal(fog3.images.images.permute(0, 2, 3, 1).numpy(), stacked[60:90])
-    limited = load_ood(f"cifar10-c:{root}", OodTarget("cifar10", 10, 16, 1), limit=7).parts
+    limited = load_ood(f"cifar10-c:{root}", OodTarget(SourceSpec("cifar10"), 10, 16, 1), limit=7).parts
     assert all(p.images.images.shape == (7, 1, 16, 16) for p in limited)
     # The same test images at every severity.
     assert all(torch.equal(p.images.labels, limited[0].images.labels) for p in limited)
@@ -112,13 +112,13 @@ def test_cifar10_1_layout(tmp_path):
     data = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
     np.save(folder / "cifar10.1_v6_data.npy", data)
     np.save(folder / "cifar10.1_v6_labels.npy", np.arange(12) % 10)
-    [part] = load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path)).parts
+    [part] = load_ood("cifar10.1", OodTarget(SourceSpec("cifar10", tmp_path), 10, 32, 3)).parts
     assert part.key == "cifar10.1" and part.images.labels.tolist() == [i % 10 for i in range(12)]
     np.testing.assert_array_equal(part.images.images.permute(0, 2, 3, 1).numpy(), data)
     with pytest.raises(DataError, match=r"cifar10\.1_v6_data\.npy"):
-        load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3, data_dir=tmp_path / "empty"))
+        load_ood("cifar10.1", OodTarget(SourceSpec("cifar10", tmp_path / "empty"), 10, 32, 3))
     with pytest.raises(DataError, match="--data-dir"):
-        load_ood("cifar10.1", OodTarget("cifar10", 10, 32, 3))
+        load_ood("cifar10.1", OodTarget(SourceSpec("cifar10"), 10, 32, 3))
 
 
 def test_imagefolder_with_numeric_and_named_classes(tmp_path):
@@ -128,17 +128,17 @@ def test_imagefolder_with_numeric_and_named_classes(tmp_path):
         for i in range(2):
             Image.fromarray(np.full((40, 30, 3), value + i, dtype=np.uint8)).save(root / folder / f"{i}.png")
     (root / "Trouser" / "notes.txt").write_text("not an image")
-    [part] = load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, image_size=28, channels=1)).parts
+    [part] = load_ood(f"imagefolder:{root}", OodTarget(SourceSpec("fmnist"), 10, image_size=28, channels=1)).parts
     assert part.images.images.shape == (6, 1, 28, 28)
     assert part.images.labels.tolist() == [0, 0, 1, 1, 9, 9]
     assert part.images.images[2].float().mean().item() == pytest.approx(200, abs=1)
     (root / "socks").mkdir()
     with pytest.raises(DataError, match="socks"):
-        load_ood(f"imagefolder:{root}", OodTarget("fmnist", 10, 28, 1))
+        load_ood(f"imagefolder:{root}", OodTarget(SourceSpec("fmnist"), 10, 28, 1))
     with pytest.raises(DataError, match="not a directory"):
-        load_ood(f"imagefolder:{tmp_path / 'missing'}", OodTarget("fmnist", 10, 28, 1))
+        load_ood(f"imagefolder:{tmp_path / 'missing'}", OodTarget(SourceSpec("fmnist"), 10, 28, 1))
     with pytest.raises(ConfigError, match="unknown OOD set"):
-        load_ood("mnist-m", OodTarget("fmnist", 10, 28, 1))
+        load_ood("mnist-m", OodTarget(SourceSpec("fmnist"), 10, 28, 1))
 
 
 def test_eval_ood_cli_writes_per_corruption_results(home, fmnist_dir, tmp_path, capsys, monkeypatch):
@@ -184,7 +184,7 @@ def test_cifar10_c_generated_with_imagecorruptions_when_files_are_absent(tmp_pat
         return SourceData(name, train=test, test=test, mean=(0.5,) * 3, std=(0.25,) * 3)
 
     monkeypatch.setattr(ood, "load_source", fake_cifar10)
-    target = OodTarget("cifar10", 10, image_size=32, channels=3, data_dir=tmp_path / "data")
+    target = OodTarget(SourceSpec("cifar10", tmp_path / "data"), 10, image_size=32, channels=3)
     cache = tmp_path / "cache"
     generated = load_ood("cifar10-c", target, limit=4, seed=0, cache_dir=cache)
     assert loads == [("cifar10", tmp_path / "data")] and "imagecorruptions" in generated.provenance

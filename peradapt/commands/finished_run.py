@@ -35,6 +35,7 @@ from peradapt.commands.cards import (
 )
 from peradapt.config import TrainConfig, check_output_path
 from peradapt.data.ood import OodTarget
+from peradapt.data.sources import SourceSpec
 from peradapt.errors import ConfigError, RunError, WeightsError, writing
 from peradapt.evaluation import evaluate_adapters, mean_and_std
 from peradapt.federation.session import Session, open_session
@@ -140,16 +141,9 @@ def evaluate_run(run_dir: Path, *, weights: Path | None = None) -> dict:
 
 def image_target(session: Session) -> OodTarget:
     """The image format and classes that the run's models take, for data from outside the run."""
-    data_dir = session.config.data.data_dir
+    source = SourceSpec.of(session.config.data)
     return OodTarget(
-        dataset=session.config.data.data,
-        num_classes=session.data.num_classes,
-        image_size=session.data.image_size,
-        channels=session.data.channels,
-        data_dir=None if data_dir is None else Path(data_dir),
-        classes=session.data.classes,
-        image_column=session.config.data.image_column,
-        label_column=session.config.data.label_column,
+        source, session.data.num_classes, session.data.image_size, session.data.channels, session.data.classes
     )
 
 

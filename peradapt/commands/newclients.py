@@ -136,15 +136,15 @@ def _dataset_client(session: Session, spec: str) -> ClientData:
     """The Hugging Face dataset ``spec`` as a client: its train and test splits (else a seeded split of its
     training split), at the run's image size and channels, its classes matched to the run's by name."""
     target = image_target(session)
-    data = session.config.data
+    run_source = target.source  # the new client's images are fitted and read as the run's were
     source = load_hf(
         spec,
         target.image_size,
         target.image_size,
         channels=target.channels,
-        resize=data.resize,
-        image_col=data.image_column,
-        label_col=data.label_column,
+        resize=run_source.resize,
+        image_col=run_source.image_column,
+        label_col=run_source.label_column,
         hints=True,
     )
     train = _in_run_classes(source.train, source.classes, target, spec)

@@ -51,7 +51,7 @@ from peradapt.data.decode import (
 from peradapt.data.folders import IMAGE_SUFFIXES
 from peradapt.data.hfdata import load_hf_split
 from peradapt.data.images import ImageSet, fit_images, resize_images
-from peradapt.data.sources import FMNIST_CLASSES, load_source
+from peradapt.data.sources import FMNIST_CLASSES, SourceSpec, load_source
 from peradapt.data.svhn_stl10 import BY_HAND, missing_labeled
 from peradapt.errors import ConfigError, DataError
 
@@ -90,16 +90,20 @@ class OodSet:
 
 @dataclass(frozen=True)
 class OodTarget:
-    """What the run's models expect: the dataset they were trained on and its image format."""
+    """What the run's models expect of images from outside the run: the source they were trained on (`SourceSpec`:
+    its name, files, resizing and hf: columns, used for hf: sets that have them), their input size and channels, and
+    their classes."""
 
-    dataset: str
+    source: SourceSpec
     num_classes: int
     image_size: int
     channels: int
-    data_dir: Path | None = None
     classes: tuple[str, ...] = ()  # the run's class names (empty: CLASS_NAMES of its dataset, else "0", "1", ...)
-    image_column: str | None = None  # the run's hf: columns, used for hf: sets that have them
-    label_column: str | None = None
+
+    @property
+    def data_dir(self) -> Path | None:
+        """Where the run's dataset files are (--data-dir), where published OOD sets are looked for too."""
+        return None if self.source.data_dir is None else Path(self.source.data_dir)
 
 
 # ---------------------------------------------------------------- corruptions (Hendrycks & Dietterich)
@@ -276,7 +280,7 @@ def load_ood(
     if kind in ("svhn", "stl10"):
         return _torchvision_set(kind, path, target, limit, seed)
     if kind == "hf":
-        columns = {"image_col": target.image_column, "label_col": target.label_column}
+        columns = {"image_col": target.source.image_column, "label_col": target.source.label_column}
         images, classes, split = load_hf_split(name, target.image_size, channels=target.channels, **columns)
         data, left_out = relabel(images, classes, target, name)
         data = data.subset(_subset_indices(len(data), limit, seed))
@@ -306,7 +310,7 @@ def _torchvision_set(kind: str, path: Path | None, target: OodTarget, limit: int
 
 def run_classes(target: OodTarget) -> tuple[str, ...]:
     """The names of the run's classes: its own, those of its dataset, or its class indices as names."""
-    return target.classes or CLASS_NAMES.get(target.dataset) or tuple(str(i) for i in range(target.num_classes))
+    return target.classes or CLASS_NAMES.get(target.source.name) or tuple(str(i) for i in range(target.num_classes))
 
 
 def class_map(classes: tuple[str, ...], target: OodTarget) -> list[int | None]:
@@ -343,9 +347,9 @@ def relabel(
 
 
 def _check_dataset(name: str, target: OodTarget, dataset: str) -> None:
-    if target.dataset != dataset:
+    if target.source.name != dataset:
         raise ConfigError(
-            f"{name} holds {dataset} classes, but this run was trained on {target.dataset}: "
+            f"{name} holds {dataset} classes, but this run was trained on {target.source.name}: "
             "use an OOD set of the run's own classes (e.g. imagefolder:PATH)"
         )
 
@@ -642,7 +646,7 @@ def load_imagefolder(path: Path, target: OodTarget, *, limit: int | None = None,
 
     if not path.is_dir():
         raise DataError(f"imagefolder: {path} is not a directory; it should hold one sub-folder of images per class")
-    known = target.classes or CLASS_NAMES.get(target.dataset)
+    known = target.classes or CLASS_NAMES.get(target.source.name)
     naming = f"0..{target.num_classes - 1}"
     if known:
         folders = ", ".join(_folder_name(name) for name in known)
