@@ -11,6 +11,7 @@ import functools
 import json
 import re
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +183,11 @@ class AdaptedModel:
         """The keys of `state`, in its order: trainable parameters, then buffers."""
         return [*self._parameters, *self._buffers]
 
-    def state(self) -> AdapterState:
-        """A copy of the model's current state: trainable parameters, then buffers (`state_names`), detached."""
+    def state(self, names: Collection[str] | None = None) -> AdapterState:
+        """A copy of the model's current state: trainable parameters, then buffers (`state_names`), detached; only
+        the entries `names` where given (e.g. `frozen_norm_buffers`)."""
         tensors = {**self._parameters, **self._buffers}
-        return {name: tensor.detach().clone() for name, tensor in tensors.items()}
+        return {name: tensor.detach().clone() for name, tensor in tensors.items() if names is None or name in names}
 
     @torch.no_grad()
     def load_state(self, state: AdapterState) -> None:

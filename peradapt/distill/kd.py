@@ -241,8 +241,7 @@ class Distiller:
             with self.inputs.autocast():
                 total = total + model(images).float()
             if moving:
-                after = model.state()
-                teacher = {**teacher, **{key: after[key] for key in moving}}
+                teacher = {**teacher, **model.state(moving)}
             passed.append(teacher)
         model.load_state(student)
         return total / len(teachers), passed
