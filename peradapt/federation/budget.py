@@ -7,9 +7,7 @@ from peradapt.config import TrainConfig, parse_budget
 from peradapt.errors import ConfigError
 from peradapt.federation.session import Session
 from peradapt.progress import counted
-from peradapt.rundir.records import (
-    RoundRecord,
-)
+from peradapt.rundir.records import RoundRecord
 
 
 def budget_limit(config: TrainConfig) -> int | None:

@@ -12,17 +12,10 @@ import torch
 
 from peradapt.adapters import AdapterState
 from peradapt.federation.session import Session
-from peradapt.rundir.checkpoint import (
-    checkpoint_path,
-    redo_from_round_1,
-    save_checkpoint,
-    write_text_atomic,
-)
+from peradapt.rundir.checkpoint import checkpoint_path, redo_from_round_1, save_checkpoint, write_text_atomic
 from peradapt.rundir.files import damaged
 from peradapt.rundir.layout import RunPaths
-from peradapt.rundir.records import (
-    RoundRecord,
-)
+from peradapt.rundir.records import RoundRecord
 
 GLOBAL_PREFIX = "global/"
 

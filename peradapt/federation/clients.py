@@ -14,11 +14,7 @@ from rich.console import Console
 
 from peradapt.adapters import AdapterState
 from peradapt.compute.concurrent import ConcurrentSGD, unsupported_layers
-from peradapt.compute.costs import (
-    ClientWork,
-    own_elements,
-    state_bytes,
-)
+from peradapt.compute.costs import ClientWork, own_elements, state_bytes
 from peradapt.compute.privacy import charged_to
 from peradapt.data import ClientData
 from peradapt.federation.session import Session

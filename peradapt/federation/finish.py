@@ -9,19 +9,10 @@ from pathlib import Path
 
 from peradapt.adapters import AdaptedModel, AdapterState
 from peradapt.adapters.model import write_files
-from peradapt.compute.costs import (
-    SampleFlops,
-    peak_memory,
-)
+from peradapt.compute.costs import SampleFlops, peak_memory
 from peradapt.compute.privacy import privacy_report
 from peradapt.data import ClientData
-from peradapt.evaluation import (
-    evaluate_adapters,
-    flat_scores,
-    local_test_statistics,
-    mean_and_std,
-    select_on_test,
-)
+from peradapt.evaluation import evaluate_adapters, flat_scores, local_test_statistics, mean_and_std, select_on_test
 from peradapt.federation.budget import budget_limit, budget_reached, personalization_reserve
 from peradapt.federation.clients import Clients
 from peradapt.federation.session import Session

@@ -15,9 +15,7 @@ from rich.console import Console
 
 from peradapt.adapters import AdapterState
 from peradapt.backbones import pin_weights
-from peradapt.compute.costs import (
-    reset_peak_memory,
-)
+from peradapt.compute.costs import reset_peak_memory
 from peradapt.config import OUTCOME_FREE, TrainConfig, method_path_label
 from peradapt.data.sources import dataset_label
 from peradapt.errors import Interrupted, MachineError, RunError, machine_error
@@ -27,19 +25,11 @@ from peradapt.federation.session import Session, build_session, open_session
 from peradapt.federation.tracking import Tracking, check_installed, open_tracking, remove_tracking_files
 from peradapt.methods.auto_lam import estimate_lam
 from peradapt.progress import counted
-from peradapt.rundir.checkpoint import (
-    checkpointed_rounds,
-    load_latest_checkpoint,
-    write_json_atomic,
-    write_text_atomic,
-)
+from peradapt.rundir.checkpoint import checkpointed_rounds, load_latest_checkpoint, write_json_atomic, write_text_atomic
 from peradapt.rundir.files import first_missing
 from peradapt.rundir.layout import RunPaths, read_run_config
 from peradapt.rundir.lock import RunLock, deferred_interrupts
-from peradapt.rundir.records import (
-    LamAuto,
-    RoundRecord,
-)
+from peradapt.rundir.records import LamAuto, RoundRecord
 
 # What --resume lets change: --rounds (a run may go on), and every setting no result depends on
 RESUMABLE_CHANGES = ("rounds", *OUTCOME_FREE)

@@ -13,15 +13,9 @@ import time
 import numpy as np
 from rich.console import Console
 
-from peradapt.compute.costs import (
-    elements,
-    peak_memory,
-)
+from peradapt.compute.costs import elements, peak_memory
 from peradapt.compute.privacy import round_epsilons
-from peradapt.evaluation import (
-    flat_scores,
-    per_client_record,
-)
+from peradapt.evaluation import flat_scores, per_client_record
 from peradapt.federation.budget import (
     budget_limit,
     budget_reached,
@@ -43,13 +37,7 @@ from peradapt.federation.lifecycle import PreparedRun
 from peradapt.federation.progress import RoundProgress
 from peradapt.rundir.checkpoint import write_json_atomic
 from peradapt.rundir.lock import deferred_interrupts
-from peradapt.rundir.records import (
-    ParameterCounts,
-    Report,
-    RoundCost,
-    RoundRecord,
-    RoundTiming,
-)
+from peradapt.rundir.records import ParameterCounts, Report, RoundCost, RoundRecord, RoundTiming
 from peradapt.seeds import SERVER, answering, derive_seed, sample_clients, straggler_shares
 
 
