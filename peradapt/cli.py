@@ -81,11 +81,10 @@ def command(name: str | None = None, **details: Any) -> Callable[[F], F]:
 
 @dataclass(frozen=True)
 class _Takes:
-    """What a command built by `takes_options` takes besides its options class: its own parameters (arguments),
-    whether it takes a flag per setting, and the settings whose flags it hides."""
+    """What a command built by `takes_options` takes: its parameters before any setting flag (its arguments, then a
+    flag per option), whether it takes a flag per setting too, and the settings whose flags it hides."""
 
-    options: type[CommandOptions]
-    own: list[inspect.Parameter]
+    parameters: list[inspect.Parameter]
     settings: bool
     hidden: frozenset[str]
 
@@ -115,13 +114,12 @@ def takes_options(
             )
             return function(options=options, **arguments, **given_settings(flags))
 
-        flags = [*own, *map(_option_parameter, options_class.declared())]
-        _TAKES[run] = _Takes(options_class, flags, settings, frozenset(hidden))
+        _TAKES[run] = _Takes([*own, *map(_option_parameter, options_class.declared())], settings, frozenset(hidden))
         # Typer reads a command's flags from its function's signature (`inspect.signature`, which honours
         # `__signature__`). The setting flags are added by `main`, for a command line that runs such a command: they
         # are every method's settings, and reading those imports the methods (torch), which `peradapt --help` and
         # the other commands do not need.
-        run.__signature__ = inspect.Signature(_TAKES[run].own)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(_TAKES[run].parameters)  # type: ignore[attr-defined]
         return run  # type: ignore[return-value]
 
     return declare
@@ -134,13 +132,13 @@ def add_setting_flags() -> None:
     for function, takes in _TAKES.items():
         if not takes.settings:
             continue
-        names = {parameter.name for parameter in takes.own}
+        names = {parameter.name for parameter in takes.parameters}
         flags = [
             _setting_parameter(declared, panel, hidden=declared.name in takes.hidden)
             for declared, panel in listed_settings()
             if declared.flag and declared.name not in names
         ]
-        function.__signature__ = inspect.Signature([*takes.own, *flags])  # type: ignore[attr-defined]
+        function.__signature__ = inspect.Signature([*takes.parameters, *flags])  # type: ignore[attr-defined]
 
 
 def _option_parameter(declared: Setting) -> inspect.Parameter:
