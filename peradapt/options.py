@@ -28,7 +28,8 @@ Options = TypeVar("Options", bound="CommandOptions")
 TUNING_SEED = 1000
 RUN_HELP = "A run directory written by `peradapt train`."
 PAIRED_TESTS = ("t", "wilcoxon")  # compare --test: `peradapt.evaluation.statistics.TEST_LABELS` names them
-# Pretraining holds out a tenth of its images (one at least) and trains on a batch of what is left.
+HELD_OUT_FRACTION = 0.1  # of the pretraining split (one image at least), only to report how good the backbone is
+# Pretraining holds out HELD_OUT_FRACTION of its images and trains on a batch of what is left.
 MIN_PRETRAIN_SAMPLES = 1 + MIN_BATCH_SIZE
 
 
@@ -247,7 +248,7 @@ class PretrainOptions(CommandOptions):
         None,
         help="Use at most this many images (smoke runs).",
         minimum=MIN_PRETRAIN_SAMPLES,
-        why=f"a tenth of the images (1 at least) are held out to measure the backbone, and a batch of "
+        why=f"{HELD_OUT_FRACTION:.0%} of the images (1 at least) are held out to measure the backbone, and a batch of "
         f"{MIN_BATCH_SIZE} must be left to train on",
         metavar="N",
     )

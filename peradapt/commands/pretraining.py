@@ -20,10 +20,9 @@ from peradapt.config import check_output_path
 from peradapt.data import ImageSet, iterate_minibatches, pretraining_split
 from peradapt.errors import ConfigError, TrainingDiverged
 from peradapt.federation.session import resolve_device
-from peradapt.options import PretrainOptions
+from peradapt.options import HELD_OUT_FRACTION, PretrainOptions
 from peradapt.progress import counted, progress_display, text_console
 
-HELD_OUT_FRACTION = 0.1  # of the pretraining split, only to report how good the backbone is
 # (peak learning rate, weight decay): ResNets train with Nesterov SGD. ViTs train poorly from scratch with SGD, so
 # they get AdamW with a ViT's usual weight decay (the tiny ViT, 2 epochs on Fashion-MNIST: 61.5% held-out accuracy
 # against SGD's 41.6%).
