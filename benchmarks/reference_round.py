@@ -52,7 +52,7 @@ script only the first 30 of 200 rounds distill; the other 170 are this round.
 peradapt's round: a session built by `build_session` from preset perada-cifar10 (the authors' mode: lam 2, which is
 their lambda 1; lr 0.01, batch 64, residual adapters with dropout 0.3, `frozen_bn train` and `frozen_bn_statistics
 local`, crop-flip on the device) with the same data, sizes and epochs, method `perada-nokd`, `eval_every 0`, the
-backbone from a file of random weights. The round is what the builtin engine's `_run_rounds` does for training:
+backbone from a file of random weights. The round is what `FederatedRun.play_round` does for training:
 `LocalClients.train` (with --concurrent-clients auto: on CUDA the clients that fit train at once, `ConcurrentSGD`'s
 fused step replayed from CUDA graphs; on a CPU one after another) and the method's `server_update` (the mean; the
 frozen BatchNorm statistics from one sampled client). Left out: the engine's progress display, the round record and

@@ -114,7 +114,7 @@ def counted_work(session: Session, final_evaluations: int = 1) -> Work:
     samples = steps = rounds = distilling = 0.0
     for round_index in range(fed.rounds):
         if budgeted and samples + reserve >= limit:  # type: ignore[operator]
-            break  # as `_run_rounds` stops: after the round that reached the budget (or took what was left of it)
+            break  # as `FederatedRun.play_rounds` stops: after the round that reached the budget (or took the rest)
         rounds += 1
         sampled = sample_clients(config.seed, round_index, len(federated), fed.clients_per_round)
         trained = method.clients_to_train(sampled, federated_ids)
